@@ -1,0 +1,46 @@
+;;;; ASDF systems: the library, its tests, its benchmarks.
+
+(defsystem "hunchentoot-recycling-taskmaster"
+  :description "A Hunchentoot taskmaster whose pooled worker threads accept
+connections in parallel on the shared listening socket, with acceptors that
+use it by default."
+  :license "BSD-2-Clause"
+  :version "0.1.0"
+  :depends-on ("hunchentoot" "usocket" "bordeaux-threads" "chunga" "cl-ppcre"
+               (:feature :sbcl "sb-bsd-sockets"))
+  :pathname "src/"
+  :serial t
+  :components ((:file "package")
+               (:file "sbcl")
+               (:file "hunchentoot-internals")
+               (:file "conditions")
+               (:file "taskmaster")
+               (:file "acceptor")
+               (:file "connection"))
+  :in-order-to ((test-op (test-op "hunchentoot-recycling-taskmaster/test"))))
+
+(defsystem "hunchentoot-recycling-taskmaster/test"
+  :description "FiveAM tests: one HTTP behaviour suite run against Hunchentoot's
+easy-acceptor and ours, and the thread-pool tests."
+  :depends-on ("hunchentoot-recycling-taskmaster" "fiveam" "drakma" "cl+ssl"
+               "flexi-streams" "cl-ppcre")
+  :pathname "test/"
+  :serial t
+  :components ((:file "package")
+               (:file "support")
+               (:file "http-behaviour")
+               (:file "pool")
+               (:file "overload"))
+  :perform (test-op (o c) (symbol-call :hunchentoot-recycling-taskmaster-test :run-tests)))
+
+(defsystem "hunchentoot-recycling-taskmaster/bench"
+  :description "Benchmark servers started in their own process by bench/run."
+  :depends-on ("hunchentoot-recycling-taskmaster" "aserve")
+  :pathname "bench/"
+  :components ((:file "server")))
+
+(defsystem "hunchentoot-recycling-taskmaster/demo"
+  :description "The demo server that `make run` starts."
+  :depends-on ("hunchentoot-recycling-taskmaster")
+  :pathname "demo/"
+  :components ((:file "demo")))

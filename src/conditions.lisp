@@ -1,0 +1,48 @@
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(define-condition recycling-taskmaster-error (error)
+  ()
+  (:documentation "Superclass of every error this library signals."))
+
+(define-condition invalid-taskmaster-configuration (recycling-taskmaster-error)
+  ((initarg :initarg :initarg :reader invalid-configuration-initarg
+            :documentation "The initarg whose value is impossible.")
+   (value :initarg :value :reader invalid-configuration-value
+          :documentation "The value given for it.")
+   (reason :initarg :reason :reader invalid-configuration-reason
+           :documentation "Why the value is impossible, as a sentence."))
+  (:report (lambda (condition stream)
+             (format stream "Invalid RECYCLING-TASKMASTER configuration: ~S ~S: ~A"
+                     (invalid-configuration-initarg condition)
+                     (invalid-configuration-value condition)
+                     (invalid-configuration-reason condition))))
+  (:documentation "Signalled by MAKE-INSTANCE of RECYCLING-TASKMASTER when the
+thread counts cannot work together: a negative or non-integer count, a
+standby count above MAX-THREAD-COUNT, or MAX-ACCEPT-COUNT not above
+MAX-THREAD-COUNT."))
+
+(define-condition acceptor-not-parallel-error (recycling-taskmaster-error)
+  ((acceptor :initarg :acceptor :reader error-acceptor
+             :documentation "The acceptor that was being started."))
+  (:report (lambda (condition stream)
+             (format stream "RECYCLING-TASKMASTER serves the connection loop of ~
+PARALLEL-ACCEPTOR; ~S is not one.  Use PARALLEL-ACCEPTOR, PARALLEL-EASY-ACCEPTOR, ~
+PARALLEL-SSL-ACCEPTOR or PARALLEL-EASY-SSL-ACCEPTOR (or a subclass)."
+                     (error-acceptor condition))))
+  (:documentation "Signalled by HUNCHENTOOT:START when a RECYCLING-TASKMASTER
+is given to an acceptor that is not a PARALLEL-ACCEPTOR."))
+
+(define-condition recycling-taskmaster-corrupted-error (recycling-taskmaster-error)
+  ((taskmaster :initarg :taskmaster :reader error-taskmaster
+               :documentation "The taskmaster whose pool is in doubt.")
+   (description :initarg :description :reader corruption-description
+                :documentation "What was found, as a sentence."))
+  (:report (lambda (condition stream)
+             (format stream "The thread pool of ~S is inconsistent: ~A  ~
+ABANDON-ACCEPTOR tears it down by force."
+                     (error-taskmaster condition)
+                     (corruption-description condition))))
+  (:documentation "Signalled when the pool's threads do not behave as its
+bookkeeping says: workers that outlive HUNCHENTOOT:STOP's deadline, or
+workers still alive when the taskmaster is started again.  Signalled with an
+ABANDON restart that calls ABANDON-ACCEPTOR."))

@@ -1,0 +1,107 @@
+;;;; The connection loop of PARALLEL-ACCEPTOR: Hunchentoot's own loop, with
+;;;; the worker's state reported to the pool around every wait, so that STOP
+;;;; can end idle connections and a saturated pool can reclaim them.  Later
+;;;; work that gives the thread back between requests replaces this file.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defun use-chunked-input-if-asked (acceptor headers-in)
+  (let ((transfer-encodings (cdr (assoc :transfer-encoding headers-in))))
+    (when (and transfer-encodings
+               (member "chunked" (cl-ppcre:split "\\s*,\\s*" transfer-encodings)
+                       :test #'equalp))
+      (unless (hunchentoot:acceptor-input-chunking-p acceptor)
+        (error "The client sent a chunked request body, but ~S does not accept chunked input."
+               acceptor))
+      (let ((stream (chunga:make-chunked-stream (connection-stream))))
+        (setf (chunga:chunked-stream-input-chunking-p stream) t
+              (connection-stream) stream)))))
+
+(defun answer-request (acceptor socket headers-in method uri protocol)
+  (let ((hunchentoot:*reply* (make-instance (hunchentoot:acceptor-reply-class acceptor)))
+        (hunchentoot:*session* nil))
+    (use-chunked-input-if-asked acceptor headers-in)
+    (call-with-request-counted
+     acceptor
+     (lambda ()
+       (hunchentoot:process-request
+        (make-acceptor-request acceptor socket headers-in (connection-stream)
+                               method uri protocol))))
+    (finish-output (connection-stream))))
+
+(defun serve-one-request (acceptor taskmaster worker socket)
+  "Read one request from the connection and answer it.  True when the
+connection stays open for another."
+  (with-request-bindings ()
+    (multiple-value-bind (headers-in method uri protocol)
+        (read-request-head (connection-stream))
+      (when method
+        (note-request-started taskmaster worker)
+        (answer-request acceptor socket headers-in method uri protocol)
+        (note-request-finished taskmaster worker)
+        (setf (connection-stream)
+              (hunchentoot:reset-connection-stream acceptor (connection-stream)))
+        (not (finish-processing-connection-p))))))
+
+(defun close-connection-streams (socket-stream)
+  ;; The client may be gone: errors while flushing or closing mean nothing now.
+  (flet ((close-quietly (stream)
+           (ignore-errors (finish-output stream))
+           (ignore-errors (close stream :abort t))))
+    (let ((stream (connection-stream)))
+      (when (and stream (not (eq stream socket-stream)))
+        (close-quietly stream)))
+    (close-quietly socket-stream)))
+
+(defmethod hunchentoot:process-connection ((acceptor parallel-acceptor) socket)
+  (let ((worker *worker*))
+    (if (null worker)
+        ;; Served by some other taskmaster: Hunchentoot's own loop.
+        (call-next-method)
+        (let ((taskmaster (worker-taskmaster worker))
+              (socket-stream (usocket:socket-stream socket)))
+          (with-connection-bindings ()
+            (unwind-protect
+                 (when (note-waiting-for-request taskmaster worker t)
+                   (setf (connection-stream)
+                         (hunchentoot:initialize-connection-stream acceptor socket-stream))
+                   (loop while (and (serve-one-request acceptor taskmaster worker socket)
+                                    (note-waiting-for-request taskmaster worker nil))))
+              (when (close-connection-stream-p)
+                (close-connection-streams socket-stream))))))))
+
+;;; Refusing a connection the pool has no room for.
+
+(defparameter *service-unavailable-response*
+  (let* ((body (concatenate 'string
+                            "<html><head><title>503 Service Unavailable</title></head>"
+                            "<body><h1>Service Unavailable</h1>"
+                            "<p>Every worker thread is busy. Please retry.</p></body></html>"))
+         (crlf (coerce '(#\Return #\Linefeed) 'string)))
+    (map '(vector (unsigned-byte 8)) #'char-code
+         (format nil "HTTP/1.1 503 Service Unavailable~AContent-Type: text/html; charset=iso-8859-1~A~
+                      Content-Length: ~D~ARetry-After: 1~AConnection: close~A~A~A"
+                 crlf crlf (length body) crlf crlf crlf crlf body)))
+  "The whole reply, status line to body, sent to a refused connection.")
+
+(defun discard-arrived-input (socket milliseconds)
+  "Read and drop what the client has sent, waiting up to MILLISECONDS for it."
+  (let ((stream (usocket:socket-stream socket)))
+    (when (wait-until-readable socket milliseconds)
+      (loop repeat 65536
+            while (listen stream)
+            do (read-byte stream nil)))))
+
+(defun reject-connection (socket)
+  "Answer SOCKET with a complete 503 reply and close it.  Reads the client's
+request first: closing a socket with unread input sends a reset, which can
+destroy the reply before the client reads it."
+  (unwind-protect
+       (ignore-errors
+        (discard-arrived-input socket 20)
+        (let ((stream (usocket:socket-stream socket)))
+          (write-sequence *service-unavailable-response* stream)
+          (finish-output stream))
+        (shut-down-output socket)
+        (discard-arrived-input socket 50))
+    (ignore-errors (usocket:socket-close socket))))

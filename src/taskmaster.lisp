@@ -1,0 +1,602 @@
+;;;; RECYCLING-TASKMASTER: a pool of worker threads that all accept on the
+;;;; acceptor's one listening socket, grown by one thread-making thread and
+;;;; shrunk by idle workers retiring themselves.
+;;;;
+;;;; Locking discipline.  POOL-LOCK guards every mutable slot of the
+;;;; taskmaster and the STATE and SOCKET of every worker.  Each change of
+;;;; pool state is one small NOTE-... or CLAIM-... function that takes the
+;;;; lock itself, with interrupts deferred, so that HUNCHENTOOT:STOP's
+;;;; interrupts never see half a change.  The lock is never held across
+;;;; socket I/O, thread creation or joining.  A worker's REQUESTS-SERVED is
+;;;; written only by its own thread, without the lock.
+;;;;
+;;;; Interrupts.  Only HUNCHENTOOT:SHUTDOWN and the thread-making thread
+;;;; interrupt a worker, and only to end the connection it serves.  The
+;;;; interrupt runs in the worker and throws only if the worker is still in
+;;;; one of the states it was aimed at, so it is harmless when it arrives late.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defvar *default-standby-thread-count* 8
+  "The STANDBY-THREAD-COUNT of a RECYCLING-TASKMASTER made without one: how
+many workers wait on the listening socket when there is no load.")
+
+(defconstant +overflow-poll-milliseconds+ 20
+  "How long one overflow round of the thread-making thread waits for a
+connection before looking at the pool again.")
+
+(defconstant +stop-join-seconds+ 10
+  "How long HUNCHENTOOT:STOP waits for interrupted workers to end before it
+calls the pool corrupted.")
+
+(defstruct (worker (:constructor make-worker (taskmaster)))
+  "One pooled thread.  STATE is one of :STARTING, :READY (between
+connections), :ACCEPTING (in accept(2)), :CONNECTED (holds a connection, not
+yet reading), :READING (waiting for the first request head of a
+connection), :IDLE (waiting for a later request on a kept-alive
+connection), :IN-REQUEST, or :EXITING (counted out of the pool)."
+  (taskmaster nil :read-only t)
+  (thread nil)
+  (state :starting :type keyword)
+  (socket nil)
+  (requests-served 0 :type fixnum))
+
+(defvar *worker* nil
+  "The WORKER record of the current thread; NIL outside worker threads.")
+
+(defclass recycling-taskmaster (hunchentoot:multi-threaded-taskmaster)
+  ((standby-thread-count
+    :initarg :standby-thread-count
+    :reader taskmaster-standby-thread-count
+    :documentation "How many workers wait on the listening socket when there
+is no load: started by HUNCHENTOOT:START and kept when idle workers retire.")
+   (max-thread-count
+    :initarg :max-thread-count
+    :reader hunchentoot:taskmaster-max-thread-count
+    :documentation "The most workers the pool may hold, or NIL for no limit.
+When all of them are busy, new connections are queued or refused with 503,
+as MAX-ACCEPT-COUNT says.")
+   (max-accept-count
+    :initarg :max-accept-count
+    :reader hunchentoot:taskmaster-max-accept-count
+    :documentation "The most connections held at once (served plus queued)
+before new ones get 503, or NIL to answer 503 as soon as every one of
+MAX-THREAD-COUNT workers is busy.  Hunchentoot's meaning.")
+   (thread-idle-timeout
+    :initarg :thread-idle-timeout
+    :reader taskmaster-thread-idle-timeout
+    :documentation "Seconds a worker waits in accept(2) before it looks at
+the pool; a surplus worker that waited this long retires.")
+   (pool-lock :initform (bt:make-lock "recycling-taskmaster-pool") :reader pool-lock)
+   (pool-changed
+    :initform (bt:make-condition-variable) :reader pool-changed
+    :documentation "Notified when a worker ends, starts accepting, finishes a
+request, or an overflow round ends.")
+   (maker-wakeup
+    :initform (bt:make-condition-variable) :reader maker-wakeup
+    :documentation "Notified when the thread-making thread has work: a thread
+to make, a saturated pool, or shutdown.")
+   (workers :initform '() :accessor pool-workers
+            :documentation "Every live worker thread's record, retiring ones included.")
+   (thread-maker :initform nil :accessor thread-maker
+                 :documentation "The one thread that makes worker threads and
+accepts on behalf of a saturated pool.")
+   (thread-count :initform 0 :accessor pool-thread-count
+                 :documentation "Workers in the pool, not counting those retiring.")
+   (pending-thread-count :initform 0 :accessor pending-thread-count
+                         :documentation "Workers asked of the thread-making thread, not yet made.")
+   (accepting-count :initform 0 :accessor accepting-count
+                    :documentation "Workers in (or entering) accept(2).")
+   (busy-count :initform 0 :accessor busy-count
+               :documentation "Workers holding a connection.")
+   (in-request-count :initform 0 :accessor in-request-count
+                     :documentation "Workers inside a request, from its head read to its reply sent.")
+   (queued-connections :initform '() :accessor queued-connections
+                       :documentation "Connections accepted while the pool was saturated, oldest first.")
+   (overflow-accepting-p :initform nil :accessor overflow-accepting-p
+                         :documentation "True while the thread-making thread accepts for a
+saturated pool; workers then take from the queue instead of accepting.")
+   (shutting-down-p :initform nil :accessor shutting-down-p)
+   (soft-stop-p :initform nil :accessor soft-stop-p
+                :documentation "True when the current HUNCHENTOOT:STOP is soft.")
+   (connections-accepted :initform 0 :accessor connections-accepted
+                         :documentation "Connections taken from the listening socket and served or queued, ever.")
+   (connections-rejected :initform 0 :accessor connections-rejected
+                         :documentation "Connections answered 503 because the pool was full, ever.")
+   (threads-created :initform 0 :accessor threads-created
+                    :documentation "Worker threads made, ever.")
+   (threads-retired :initform 0 :accessor threads-retired
+                    :documentation "Worker threads that ended because they were surplus, ever.")
+   (peak-thread-count :initform 0 :accessor peak-thread-count
+                      :documentation "The most workers the pool has held at once.")
+   (retired-requests-served :initform 0 :accessor retired-requests-served
+                            :documentation "Requests served by workers that have ended.")
+   (last-rejection-log-time :initform 0 :accessor last-rejection-log-time))
+  (:default-initargs
+   :standby-thread-count *default-standby-thread-count*
+   :max-thread-count (default-max-thread-count)
+   :max-accept-count (default-max-accept-count)
+   :thread-idle-timeout 1)
+  (:documentation "A taskmaster whose pooled worker threads all block in
+accept(2) on the acceptor's listening socket and serve the connections they
+accept themselves: no listener thread hands sockets over.  The pool starts
+with STANDBY-THREAD-COUNT workers; when none is left accepting, the one
+thread-making thread adds one, up to MAX-THREAD-COUNT; surplus workers
+retire after THREAD-IDLE-TIMEOUT seconds without a connection.  When every
+allowed worker is busy, the thread-making thread accepts in their place,
+queueing connections up to MAX-ACCEPT-COUNT and answering 503 past it, and
+asks workers to close kept-alive connections so that queued ones are
+served.  Needs a PARALLEL-ACCEPTOR."))
+
+(defun check-count (initarg value &key (minimum 0) (null-allowed nil))
+  (unless (or (and null-allowed (null value))
+              (and (integerp value) (<= minimum value)))
+    (error 'invalid-taskmaster-configuration
+           :initarg initarg :value value
+           :reason (format nil "must be an integer of at least ~D~:[~; or NIL~]"
+                           minimum null-allowed))))
+
+(defmethod initialize-instance :after ((taskmaster recycling-taskmaster) &key)
+  (let ((standby (taskmaster-standby-thread-count taskmaster))
+        (max-threads (hunchentoot:taskmaster-max-thread-count taskmaster))
+        (max-accepts (hunchentoot:taskmaster-max-accept-count taskmaster))
+        (idle-timeout (taskmaster-thread-idle-timeout taskmaster)))
+    ;; One standby worker at least: growth starts when an accepting worker
+    ;; takes a connection, so a pool of none would never start.
+    (check-count :standby-thread-count standby :minimum 1)
+    (check-count :max-thread-count max-threads :minimum 1 :null-allowed t)
+    (check-count :max-accept-count max-accepts :minimum 1 :null-allowed t)
+    (unless (and (realp idle-timeout) (plusp idle-timeout))
+      (error 'invalid-taskmaster-configuration
+             :initarg :thread-idle-timeout :value idle-timeout
+             :reason "must be a positive number of seconds"))
+    (when (and max-threads (< max-threads standby))
+      (error 'invalid-taskmaster-configuration
+             :initarg :standby-thread-count :value standby
+             :reason (format nil "is above :MAX-THREAD-COUNT ~D" max-threads)))
+    (when max-accepts
+      (unless max-threads
+        (error 'invalid-taskmaster-configuration
+               :initarg :max-accept-count :value max-accepts
+               :reason "needs a :MAX-THREAD-COUNT"))
+      (unless (> max-accepts max-threads)
+        (error 'invalid-taskmaster-configuration
+               :initarg :max-accept-count :value max-accepts
+               :reason (format nil "must be greater than :MAX-THREAD-COUNT ~D" max-threads))))))
+
+(defmacro with-pool-lock ((taskmaster) &body body)
+  "Run BODY holding POOL-LOCK.  For BODYs that wait on a condition variable."
+  `(bt:with-lock-held ((pool-lock ,taskmaster)) ,@body))
+
+(defmacro with-pool-state-change ((taskmaster) &body body)
+  "Run BODY holding POOL-LOCK with interrupts deferred.  BODY must not wait."
+  `(without-interrupts (with-pool-lock (,taskmaster) ,@body)))
+
+(defun notify-pool-changed (taskmaster)
+  (condition-broadcast (pool-changed taskmaster)))
+
+(defun notify-thread-maker (taskmaster)
+  (bt:condition-notify (maker-wakeup taskmaster)))
+
+(defun taskmaster-listen-socket (taskmaster)
+  (acceptor-listen-socket (hunchentoot:taskmaster-acceptor taskmaster)))
+
+;;; Questions about the pool, asked with POOL-LOCK held.
+
+(defun pool-may-grow-p (taskmaster)
+  (let ((max-threads (hunchentoot:taskmaster-max-thread-count taskmaster)))
+    (and (not (shutting-down-p taskmaster))
+         (or (null max-threads)
+             (< (+ (pool-thread-count taskmaster) (pending-thread-count taskmaster))
+                max-threads)))))
+
+(defun pool-saturated-p (taskmaster)
+  "True when no worker accepts and no more may be made."
+  (and (not (shutting-down-p taskmaster))
+       (zerop (accepting-count taskmaster))
+       (zerop (pending-thread-count taskmaster))
+       (not (pool-may-grow-p taskmaster))))
+
+(defun queue-has-room-p (taskmaster)
+  (let ((max-accepts (hunchentoot:taskmaster-max-accept-count taskmaster)))
+    (and max-accepts
+         (< (+ (busy-count taskmaster) (length (queued-connections taskmaster)))
+            max-accepts))))
+
+(defun yield-kept-alive-connections-p (taskmaster)
+  "True when a worker should close its kept-alive connection after the
+current reply, because connections are waiting for a worker."
+  (and (queued-connections taskmaster) t))
+
+;;; State changes of a worker.
+
+(defun claim-next-task (taskmaster worker)
+  "Decide what WORKER does next.  Returns :EXIT, (values :SERVE socket) for a
+queued connection, or :ACCEPT after counting WORKER as accepting."
+  (with-pool-lock (taskmaster)
+    (loop while (and (overflow-accepting-p taskmaster)
+                     (not (shutting-down-p taskmaster))
+                     (null (queued-connections taskmaster)))
+          do (bt:condition-wait (pool-changed taskmaster) (pool-lock taskmaster)))
+    (without-interrupts
+      (cond ((shutting-down-p taskmaster) :exit)
+            ((queued-connections taskmaster)
+             (let ((socket (pop (queued-connections taskmaster))))
+               (setf (worker-state worker) :connected
+                     (worker-socket worker) socket)
+               (incf (busy-count taskmaster))
+               (values :serve socket)))
+            (t
+             (setf (worker-state worker) :accepting)
+             (incf (accepting-count taskmaster))
+             :accept)))))
+
+(defun note-accepted (taskmaster worker socket)
+  "WORKER left accept(2) with SOCKET.  If it was the last one accepting, ask
+for another worker, or for overflow accepting when the pool is full."
+  (with-pool-state-change (taskmaster)
+    (decf (accepting-count taskmaster))
+    (incf (busy-count taskmaster))
+    (incf (connections-accepted taskmaster))
+    (setf (worker-state worker) :connected
+          (worker-socket worker) socket)
+    (when (zerop (accepting-count taskmaster))
+      (when (pool-may-grow-p taskmaster)
+        (incf (pending-thread-count taskmaster)))
+      (notify-thread-maker taskmaster))))
+
+(defun note-accept-timed-out (taskmaster worker)
+  "WORKER left accept(2) with nothing.  Returns true when WORKER is surplus
+and retires now."
+  (with-pool-state-change (taskmaster)
+    (decf (accepting-count taskmaster))
+    (setf (worker-state worker) :ready)
+    (when (and (not (shutting-down-p taskmaster))
+               (> (pool-thread-count taskmaster)
+                  (taskmaster-standby-thread-count taskmaster)))
+      (setf (worker-state worker) :exiting)
+      (decf (pool-thread-count taskmaster))
+      (incf (threads-retired taskmaster))
+      t)))
+
+(defun note-waiting-for-request (taskmaster worker first-request-p)
+  "WORKER is about to wait for a request head.  Returns false when the
+taskmaster is stopping, and the connection should end instead."
+  (with-pool-state-change (taskmaster)
+    (unless (or (shutting-down-p taskmaster)
+                (acceptor-shutting-down-p (hunchentoot:taskmaster-acceptor taskmaster)))
+      (setf (worker-state worker) (if first-request-p :reading :idle))
+      t)))
+
+(defun note-request-started (taskmaster worker)
+  (with-pool-state-change (taskmaster)
+    (setf (worker-state worker) :in-request)
+    (incf (in-request-count taskmaster))))
+
+(defun note-request-finished (taskmaster worker)
+  (incf (worker-requests-served worker))
+  (with-pool-state-change (taskmaster)
+    (setf (worker-state worker) :connected)
+    (decf (in-request-count taskmaster))
+    (when (shutting-down-p taskmaster)
+      (notify-pool-changed taskmaster))))
+
+(defun note-connection-finished (taskmaster worker)
+  (with-pool-state-change (taskmaster)
+    (when (eq (worker-state worker) :in-request)
+      (decf (in-request-count taskmaster)))
+    (setf (worker-state worker) :ready
+          (worker-socket worker) nil)
+    (decf (busy-count taskmaster))))
+
+(defun note-worker-exited (taskmaster worker)
+  "WORKER's thread is ending, normally or not.  Undo whatever its state still
+counts, and ask for a replacement if the pool fell below standby."
+  (with-pool-state-change (taskmaster)
+    (case (worker-state worker)
+      (:exiting)
+      (:accepting
+       (decf (accepting-count taskmaster))
+       (decf (pool-thread-count taskmaster)))
+      ((:connected :reading :idle :in-request)
+       (when (eq (worker-state worker) :in-request)
+         (decf (in-request-count taskmaster)))
+       (decf (busy-count taskmaster))
+       (decf (pool-thread-count taskmaster)))
+      (t (decf (pool-thread-count taskmaster))))
+    (setf (worker-state worker) :exiting)
+    (incf (retired-requests-served taskmaster) (worker-requests-served worker))
+    (setf (pool-workers taskmaster) (delete worker (pool-workers taskmaster)))
+    (when (and (not (shutting-down-p taskmaster))
+               (< (+ (pool-thread-count taskmaster) (pending-thread-count taskmaster))
+                  (taskmaster-standby-thread-count taskmaster)))
+      (incf (pending-thread-count taskmaster))
+      (notify-thread-maker taskmaster))
+    (notify-pool-changed taskmaster)))
+
+;;; Ending a worker's connection from another thread.
+
+(defun cut-connection (worker states)
+  "Make WORKER drop its connection if, when the interrupt runs, it is in one
+of STATES."
+  (let ((thread (worker-thread worker)))
+    (when thread
+      (ignore-errors
+       (bt:interrupt-thread thread
+                            (lambda ()
+                              (when (member (worker-state worker) states)
+                                (throw 'connection-cut nil))))))))
+
+(defun workers-in-states (taskmaster states)
+  (with-pool-lock (taskmaster)
+    (remove-if-not (lambda (worker) (member (worker-state worker) states))
+                   (pool-workers taskmaster))))
+
+;;; The worker thread.
+
+(defun accept-connection (taskmaster)
+  "Accept one connection from the listening socket: a usocket, or NIL when
+accept(2) timed out or failed."
+  (let ((acceptor (hunchentoot:taskmaster-acceptor taskmaster)))
+    (handler-case
+        (let ((socket (usocket:socket-accept (acceptor-listen-socket acceptor)
+                                             :element-type '(unsigned-byte 8))))
+          (when socket
+            (apply-connection-timeouts acceptor socket))
+          socket)
+      (usocket:connection-aborted-error () nil)
+      (error (condition)
+        (unless (shutting-down-p taskmaster)
+          (hunchentoot:acceptor-log-message acceptor :error "accept failed: ~A" condition)
+          ;; EMFILE and the like persist: do not spin on them.
+          (sleep 0.1))
+        nil))))
+
+(defun next-connection (taskmaster worker)
+  "Block until WORKER has a connection to serve, queued or accepted.  NIL when
+the worker is to end: the taskmaster is stopping or the worker is surplus."
+  (loop
+    (multiple-value-bind (task socket) (claim-next-task taskmaster worker)
+      (ecase task
+        (:exit (return nil))
+        (:serve (return socket))
+        (:accept
+         (let ((socket (accept-connection taskmaster)))
+           (cond (socket
+                  (note-accepted taskmaster worker socket)
+                  (return socket))
+                 ((note-accept-timed-out taskmaster worker)
+                  (return nil)))))))))
+
+(defun serve-connection (taskmaster worker socket)
+  (catch 'connection-cut
+    (unwind-protect
+         (hunchentoot:handle-incoming-connection taskmaster socket)
+      (note-connection-finished taskmaster worker))))
+
+(defun run-worker (taskmaster worker)
+  (setf (worker-thread worker) (bt:current-thread))
+  (let ((*worker* worker))
+    (unwind-protect
+         (loop for socket = (next-connection taskmaster worker)
+               while socket
+               do (serve-connection taskmaster worker socket))
+      (note-worker-exited taskmaster worker))))
+
+(defmethod hunchentoot:handle-incoming-connection ((taskmaster recycling-taskmaster) socket)
+  (hunchentoot:process-connection (hunchentoot:taskmaster-acceptor taskmaster) socket))
+
+;;; The thread-making thread.
+
+(defun next-maker-task (taskmaster)
+  "Wait for work for the thread-making thread: :EXIT, :MAKE-THREAD, or
+:OVERFLOW (after marking the overflow round begun)."
+  (with-pool-lock (taskmaster)
+    (loop
+      (cond ((shutting-down-p taskmaster) (return :exit))
+            ((plusp (pending-thread-count taskmaster)) (return :make-thread))
+            ((pool-saturated-p taskmaster)
+             (setf (overflow-accepting-p taskmaster) t)
+             (return :overflow))
+            (t (bt:condition-wait (maker-wakeup taskmaster) (pool-lock taskmaster)))))))
+
+(defun worker-thread-name (taskmaster)
+  (let ((acceptor (hunchentoot:taskmaster-acceptor taskmaster)))
+    (format nil "hunchentoot-recycling-worker ~A:~A"
+            (or (hunchentoot:acceptor-address acceptor) "*")
+            (hunchentoot:acceptor-port acceptor))))
+
+(defun make-worker-thread (taskmaster)
+  (let ((worker (make-worker taskmaster)))
+    (with-pool-state-change (taskmaster)
+      (decf (pending-thread-count taskmaster))
+      (push worker (pool-workers taskmaster))
+      (incf (pool-thread-count taskmaster))
+      (incf (threads-created taskmaster))
+      (setf (peak-thread-count taskmaster)
+            (max (peak-thread-count taskmaster) (pool-thread-count taskmaster))))
+    (handler-case
+        (setf (worker-thread worker)
+              (hunchentoot:start-thread taskmaster
+                                        (lambda () (run-worker taskmaster worker))
+                                        :name (worker-thread-name taskmaster)))
+      (error (condition)
+        (with-pool-state-change (taskmaster)
+          (setf (pool-workers taskmaster) (delete worker (pool-workers taskmaster)))
+          (decf (pool-thread-count taskmaster))
+          (notify-pool-changed taskmaster))
+        (hunchentoot:acceptor-log-message (hunchentoot:taskmaster-acceptor taskmaster)
+                                          :error "could not make a worker thread: ~A" condition)
+        (sleep 0.1)))))
+
+(defun note-overflow-accepted (taskmaster socket)
+  "End an overflow round that accepted SOCKET (or NIL).  Returns :QUEUED and
+a worker to ask to give up its idle kept-alive connection, :REJECT, or NIL."
+  (with-pool-state-change (taskmaster)
+    (setf (overflow-accepting-p taskmaster) nil)
+    (multiple-value-prog1
+        (cond ((null socket) nil)
+              ((queue-has-room-p taskmaster)
+               (setf (queued-connections taskmaster)
+                     (nconc (queued-connections taskmaster) (list socket)))
+               (incf (connections-accepted taskmaster))
+               (values :queued (find :idle (pool-workers taskmaster) :key #'worker-state)))
+              (t
+               (incf (connections-rejected taskmaster))
+               :reject))
+      (notify-pool-changed taskmaster))))
+
+(defun accept-for-saturated-pool (taskmaster)
+  "One overflow round: accept a connection the busy workers cannot, then
+queue it or answer it 503."
+  (let ((socket (and (wait-until-readable (taskmaster-listen-socket taskmaster)
+                                          +overflow-poll-milliseconds+)
+                     (accept-connection taskmaster))))
+    (multiple-value-bind (disposition idle-worker) (note-overflow-accepted taskmaster socket)
+      (case disposition
+        (:queued (when idle-worker (cut-connection idle-worker '(:idle))))
+        (:reject
+         (hunchentoot:too-many-taskmaster-requests taskmaster socket)
+         (reject-connection socket))))))
+
+(defun run-thread-maker (taskmaster)
+  (loop
+    (ecase (next-maker-task taskmaster)
+      (:exit (return))
+      (:make-thread (make-worker-thread taskmaster))
+      (:overflow (accept-for-saturated-pool taskmaster)))))
+
+(defmethod hunchentoot:too-many-taskmaster-requests ((taskmaster recycling-taskmaster) socket)
+  (declare (ignore socket))
+  ;; Under overload this runs for every refused connection; one line a
+  ;; second says as much without flooding the log.
+  (let ((now (get-universal-time)))
+    (when (/= now (last-rejection-log-time taskmaster))
+      (setf (last-rejection-log-time taskmaster) now)
+      (hunchentoot:acceptor-log-message
+       (hunchentoot:taskmaster-acceptor taskmaster) :warning
+       "All ~D worker threads busy and ~D connections queued: answering 503 (~D so far)"
+       (pool-thread-count taskmaster) (length (queued-connections taskmaster))
+       (connections-rejected taskmaster)))))
+
+;;; Starting and stopping.
+
+(defun signal-corrupted (taskmaster description)
+  (restart-case (error 'recycling-taskmaster-corrupted-error
+                       :taskmaster taskmaster :description description)
+    (abandon ()
+      :report "Abandon the acceptor: end every worker by force and close its socket."
+      (abandon-acceptor (hunchentoot:taskmaster-acceptor taskmaster)))))
+
+(defun reset-pool (taskmaster)
+  (with-pool-state-change (taskmaster)
+    (setf (shutting-down-p taskmaster) nil
+          (soft-stop-p taskmaster) nil
+          (overflow-accepting-p taskmaster) nil
+          (queued-connections taskmaster) '()
+          (pending-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster))))
+
+(defun wait-for-standby-threads (taskmaster)
+  (let ((deadline (+ (get-internal-real-time) (* 10 internal-time-units-per-second))))
+    (with-pool-lock (taskmaster)
+      (loop until (>= (accepting-count taskmaster) (taskmaster-standby-thread-count taskmaster))
+            do (when (>= (get-internal-real-time) deadline)
+                 (return nil))
+               (bt:condition-wait (pool-changed taskmaster) (pool-lock taskmaster) :timeout 0.1)
+            finally (return t)))))
+
+(defmethod hunchentoot:execute-acceptor ((taskmaster recycling-taskmaster))
+  (let ((acceptor (hunchentoot:taskmaster-acceptor taskmaster)))
+    (unless (typep acceptor 'parallel-acceptor)
+      (error 'acceptor-not-parallel-error :acceptor acceptor))
+    (when (pool-workers taskmaster)
+      (signal-corrupted taskmaster (format nil "~D worker threads from an earlier run are still alive."
+                                           (length (pool-workers taskmaster)))))
+    (reset-pool taskmaster)
+    (set-accept-timeout (acceptor-listen-socket acceptor) (taskmaster-thread-idle-timeout taskmaster))
+    (setf (thread-maker taskmaster)
+          (hunchentoot:start-thread taskmaster (lambda () (run-thread-maker taskmaster))
+                                    :name (format nil "hunchentoot-recycling-thread-maker ~A:~A"
+                                                  (or (hunchentoot:acceptor-address acceptor) "*")
+                                                  (hunchentoot:acceptor-port acceptor))))
+    (with-pool-lock (taskmaster) (notify-thread-maker taskmaster))
+    (unless (wait-for-standby-threads taskmaster)
+      (signal-corrupted taskmaster "the standby workers did not start within 10 seconds."))
+    taskmaster))
+
+(defun begin-shutdown (taskmaster)
+  (with-pool-state-change (taskmaster)
+    (setf (shutting-down-p taskmaster) t)
+    (notify-thread-maker taskmaster)
+    (notify-pool-changed taskmaster)))
+
+(defun wait-for-requests-in-flight (taskmaster)
+  (with-pool-lock (taskmaster)
+    (loop while (plusp (in-request-count taskmaster))
+          do (bt:condition-wait (pool-changed taskmaster) (pool-lock taskmaster) :timeout 0.1))))
+
+(defun take-queued-connections (taskmaster)
+  (with-pool-state-change (taskmaster)
+    (shiftf (queued-connections taskmaster) '())))
+
+(defun wait-for-pool-to-empty (taskmaster seconds)
+  "True when every worker has ended within SECONDS."
+  (let ((deadline (+ (get-internal-real-time) (* seconds internal-time-units-per-second))))
+    (with-pool-lock (taskmaster)
+      (loop while (pool-workers taskmaster)
+            do (when (>= (get-internal-real-time) deadline)
+                 (return nil))
+               (bt:condition-wait (pool-changed taskmaster) (pool-lock taskmaster) :timeout 0.1)
+            finally (return t)))))
+
+(defmethod hunchentoot:shutdown ((taskmaster recycling-taskmaster))
+  "End the pool: stop accepting, let in-flight requests finish when the stop
+is soft (cut them when it is hard), close idle connections, answer queued
+connections 503, and join every thread."
+  (let ((threads (with-pool-lock (taskmaster)
+                   (remove nil (mapcar #'worker-thread (pool-workers taskmaster))))))
+    (begin-shutdown taskmaster)
+    (wake-accepting-threads (taskmaster-listen-socket taskmaster))
+    (when (soft-stop-p taskmaster)
+      (wait-for-requests-in-flight taskmaster))
+    (let ((states (if (soft-stop-p taskmaster) '(:reading :idle) '(:reading :idle :in-request))))
+      (dolist (worker (workers-in-states taskmaster states))
+        (cut-connection worker states)))
+    (mapc #'reject-connection (take-queued-connections taskmaster))
+    (unless (wait-for-pool-to-empty taskmaster +stop-join-seconds+)
+      (signal-corrupted taskmaster (format nil "~D worker threads did not end within ~D seconds of STOP."
+                                           (length (pool-workers taskmaster)) +stop-join-seconds+)))
+    (mapc #'bt:join-thread threads)
+    (when (thread-maker taskmaster)
+      (bt:join-thread (shiftf (thread-maker taskmaster) nil)))
+    taskmaster))
+
+;;; Observing the pool.
+
+(defmethod hunchentoot:taskmaster-thread-count ((taskmaster recycling-taskmaster))
+  (pool-thread-count taskmaster))
+
+(defgeneric taskmaster-statistics (taskmaster)
+  (:documentation "A fresh plist describing TASKMASTER's pool now, taken under
+its lock in one go, cheap enough to poll.  Keys: :THREADS (workers in the
+pool), :BUSY-THREADS (workers holding a connection), :ACCEPTING-THREADS
+(workers in accept(2)), :IN-REQUEST-THREADS, :QUEUED-CONNECTIONS, and the
+totals since the taskmaster was made :CONNECTIONS-ACCEPTED,
+:CONNECTIONS-REJECTED (answered 503), :REQUESTS-SERVED, :THREADS-CREATED,
+:THREADS-RETIRED and :PEAK-THREADS.  The order of keys is unspecified.
+:REQUESTS-SERVED may lag by the requests finishing while it is read."))
+
+(defmethod taskmaster-statistics ((taskmaster recycling-taskmaster))
+  (with-pool-lock (taskmaster)
+    (list :threads (pool-thread-count taskmaster)
+          :busy-threads (busy-count taskmaster)
+          :accepting-threads (accepting-count taskmaster)
+          :in-request-threads (in-request-count taskmaster)
+          :queued-connections (length (queued-connections taskmaster))
+          :connections-accepted (connections-accepted taskmaster)
+          :connections-rejected (connections-rejected taskmaster)
+          :requests-served (+ (retired-requests-served taskmaster)
+                              (reduce #'+ (pool-workers taskmaster) :key #'worker-requests-served))
+          :threads-created (threads-created taskmaster)
+          :threads-retired (threads-retired taskmaster)
+          :peak-threads (peak-thread-count taskmaster))))
