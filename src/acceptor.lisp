@@ -95,3 +95,8 @@ receives."
       (ignore-errors (usocket:socket-close listen-socket))
       (setf (acceptor-listen-socket acceptor) nil)))
   acceptor)
+
+(defmethod taskmaster-statistics ((acceptor parallel-acceptor))
+  "The statistics of ACCEPTOR's taskmaster, for code that holds the acceptor
+(Hunchentoot does not export the taskmaster reader)."
+  (taskmaster-statistics (acceptor-taskmaster acceptor)))

@@ -84,24 +84,23 @@ connection stays open for another."
                  crlf crlf (length body) crlf crlf crlf crlf body)))
   "The whole reply, status line to body, sent to a refused connection.")
 
-(defun discard-arrived-input (socket milliseconds)
-  "Read and drop what the client has sent, waiting up to MILLISECONDS for it."
+(defun discard-arrived-input (socket)
+  "Read and drop what the client has sent so far, without waiting for more."
   (let ((stream (usocket:socket-stream socket)))
-    (when (wait-until-readable socket milliseconds)
-      (loop repeat 65536
-            while (listen stream)
-            do (read-byte stream nil)))))
+    (loop repeat 65536
+          while (listen stream)
+          do (read-byte stream nil))))
 
 (defun reject-connection (socket)
-  "Answer SOCKET with a complete 503 reply and close it.  Reads the client's
-request first: closing a socket with unread input sends a reset, which can
-destroy the reply before the client reads it."
+  "Answer SOCKET with a complete 503 reply and close it, without waiting for
+the client: the thread-making thread calls this and must not stall.  The
+reply and FIN go out before the close, so a client whose request arrives
+late still reads the reply before the reset its request provokes."
   (unwind-protect
        (ignore-errors
-        (discard-arrived-input socket 20)
         (let ((stream (usocket:socket-stream socket)))
           (write-sequence *service-unavailable-response* stream)
           (finish-output stream))
         (shut-down-output socket)
-        (discard-arrived-input socket 50))
+        (discard-arrived-input socket))
     (ignore-errors (usocket:socket-close socket))))

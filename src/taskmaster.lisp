@@ -39,6 +39,7 @@ connection), :IN-REQUEST, or :EXITING (counted out of the pool)."
   (thread nil)
   (state :starting :type keyword)
   (socket nil)
+  (cut-requested-p nil)
   (requests-served 0 :type fixnum))
 
 (defvar *worker* nil
@@ -191,11 +192,17 @@ served.  Needs a PARALLEL-ACCEPTOR."))
                 max-threads)))))
 
 (defun pool-saturated-p (taskmaster)
-  "True when no worker accepts and no more may be made."
+  "True when every worker holds a connection and no more may be made."
   (and (not (shutting-down-p taskmaster))
-       (zerop (accepting-count taskmaster))
+       (>= (busy-count taskmaster) (pool-thread-count taskmaster))
        (zerop (pending-thread-count taskmaster))
        (not (pool-may-grow-p taskmaster))))
+
+(defun notify-thread-maker-if-saturated (taskmaster)
+  "Every change that can leave all workers busy calls this: the thread-making
+thread, asleep since it last found a free worker, must start accepting."
+  (when (pool-saturated-p taskmaster)
+    (notify-thread-maker taskmaster)))
 
 (defun queue-has-room-p (taskmaster)
   (let ((max-accepts (hunchentoot:taskmaster-max-accept-count taskmaster)))
@@ -225,6 +232,7 @@ queued connection, or :ACCEPT after counting WORKER as accepting."
                (setf (worker-state worker) :connected
                      (worker-socket worker) socket)
                (incf (busy-count taskmaster))
+               (notify-thread-maker-if-saturated taskmaster)
                (values :serve socket)))
             (t
              (setf (worker-state worker) :accepting)
@@ -247,13 +255,15 @@ for another worker, or for overflow accepting when the pool is full."
 
 (defun note-accept-timed-out (taskmaster worker)
   "WORKER left accept(2) with nothing.  Returns true when WORKER is surplus
-and retires now."
+and retires now.  The last accepting worker never retires: growth starts
+only when an accepting worker takes a connection."
   (with-pool-state-change (taskmaster)
     (decf (accepting-count taskmaster))
     (setf (worker-state worker) :ready)
     (when (and (not (shutting-down-p taskmaster))
                (> (pool-thread-count taskmaster)
-                  (taskmaster-standby-thread-count taskmaster)))
+                  (taskmaster-standby-thread-count taskmaster))
+               (plusp (accepting-count taskmaster)))
       (setf (worker-state worker) :exiting)
       (decf (pool-thread-count taskmaster))
       (incf (threads-retired taskmaster))
@@ -286,7 +296,8 @@ taskmaster is stopping, and the connection should end instead."
     (when (eq (worker-state worker) :in-request)
       (decf (in-request-count taskmaster)))
     (setf (worker-state worker) :ready
-          (worker-socket worker) nil)
+          (worker-socket worker) nil
+          (worker-cut-requested-p worker) nil)
     (decf (busy-count taskmaster))))
 
 (defun note-worker-exited (taskmaster worker)
@@ -297,7 +308,9 @@ counts, and ask for a replacement if the pool fell below standby."
       (:exiting)
       (:accepting
        (decf (accepting-count taskmaster))
-       (decf (pool-thread-count taskmaster)))
+       (decf (pool-thread-count taskmaster))
+       (when (and (zerop (accepting-count taskmaster)) (pool-may-grow-p taskmaster))
+         (incf (pending-thread-count taskmaster))))
       ((:connected :reading :idle :in-request)
        (when (eq (worker-state worker) :in-request)
          (decf (in-request-count taskmaster)))
@@ -310,11 +323,24 @@ counts, and ask for a replacement if the pool fell below standby."
     (when (and (not (shutting-down-p taskmaster))
                (< (+ (pool-thread-count taskmaster) (pending-thread-count taskmaster))
                   (taskmaster-standby-thread-count taskmaster)))
-      (incf (pending-thread-count taskmaster))
-      (notify-thread-maker taskmaster))
+      (incf (pending-thread-count taskmaster)))
+    (notify-thread-maker taskmaster)
     (notify-pool-changed taskmaster)))
 
 ;;; Ending a worker's connection from another thread.
+
+(defun claim-workers-to-cut (taskmaster states &key (limit nil))
+  "Mark up to LIMIT (default all) workers in STATES, not marked already, as
+about to be cut, and return them.  Marking first means one interrupt per
+connection: interrupts sent faster than a worker unwinds nest until SBCL
+dies."
+  (with-pool-state-change (taskmaster)
+    (loop for worker in (pool-workers taskmaster)
+          while (or (null limit) (< (length chosen) limit))
+          when (and (member (worker-state worker) states)
+                    (not (worker-cut-requested-p worker)))
+            collect (progn (setf (worker-cut-requested-p worker) t) worker) into chosen
+          finally (return chosen))))
 
 (defun cut-connection (worker states)
   "Make WORKER drop its connection if, when the interrupt runs, it is in one
@@ -326,11 +352,6 @@ of STATES."
                             (lambda ()
                               (when (member (worker-state worker) states)
                                 (throw 'connection-cut nil))))))))
-
-(defun workers-in-states (taskmaster states)
-  (with-pool-lock (taskmaster)
-    (remove-if-not (lambda (worker) (member (worker-state worker) states))
-                   (pool-workers taskmaster))))
 
 ;;; The worker thread.
 
@@ -430,8 +451,8 @@ the worker is to end: the taskmaster is stopping or the worker is surplus."
         (sleep 0.1)))))
 
 (defun note-overflow-accepted (taskmaster socket)
-  "End an overflow round that accepted SOCKET (or NIL).  Returns :QUEUED and
-a worker to ask to give up its idle kept-alive connection, :REJECT, or NIL."
+  "End an overflow round that accepted SOCKET (or NIL).  Returns :QUEUED,
+:REJECT, or NIL."
   (with-pool-state-change (taskmaster)
     (setf (overflow-accepting-p taskmaster) nil)
     (multiple-value-prog1
@@ -440,7 +461,7 @@ a worker to ask to give up its idle kept-alive connection, :REJECT, or NIL."
                (setf (queued-connections taskmaster)
                      (nconc (queued-connections taskmaster) (list socket)))
                (incf (connections-accepted taskmaster))
-               (values :queued (find :idle (pool-workers taskmaster) :key #'worker-state)))
+               :queued)
               (t
                (incf (connections-rejected taskmaster))
                :reject))
@@ -452,12 +473,15 @@ queue it or answer it 503."
   (let ((socket (and (wait-until-readable (taskmaster-listen-socket taskmaster)
                                           +overflow-poll-milliseconds+)
                      (accept-connection taskmaster))))
-    (multiple-value-bind (disposition idle-worker) (note-overflow-accepted taskmaster socket)
-      (case disposition
-        (:queued (when idle-worker (cut-connection idle-worker '(:idle))))
-        (:reject
-         (hunchentoot:too-many-taskmaster-requests taskmaster socket)
-         (reject-connection socket))))))
+    (case (note-overflow-accepted taskmaster socket)
+      (:queued
+       ;; A worker waiting on an idle kept-alive connection gives it up for
+       ;; the queued one.
+       (dolist (worker (claim-workers-to-cut taskmaster '(:idle) :limit 1))
+         (cut-connection worker '(:idle))))
+      (:reject
+       (hunchentoot:too-many-taskmaster-requests taskmaster socket)
+       (reject-connection socket)))))
 
 (defun run-thread-maker (taskmaster)
   (loop
@@ -508,6 +532,9 @@ queue it or answer it 503."
 (defmethod hunchentoot:execute-acceptor ((taskmaster recycling-taskmaster))
   (let ((acceptor (hunchentoot:taskmaster-acceptor taskmaster)))
     (unless (typep acceptor 'parallel-acceptor)
+      ;; START has already listened; leave the port free for a retry.
+      (ignore-errors (usocket:socket-close (acceptor-listen-socket acceptor)))
+      (setf (acceptor-listen-socket acceptor) nil)
       (error 'acceptor-not-parallel-error :acceptor acceptor))
     (when (pool-workers taskmaster)
       (signal-corrupted taskmaster (format nil "~D worker threads from an earlier run are still alive."
@@ -560,7 +587,7 @@ connections 503, and join every thread."
     (when (soft-stop-p taskmaster)
       (wait-for-requests-in-flight taskmaster))
     (let ((states (if (soft-stop-p taskmaster) '(:reading :idle) '(:reading :idle :in-request))))
-      (dolist (worker (workers-in-states taskmaster states))
+      (dolist (worker (claim-workers-to-cut taskmaster states))
         (cut-connection worker states)))
     (mapc #'reject-connection (take-queued-connections taskmaster))
     (unless (wait-for-pool-to-empty taskmaster +stop-join-seconds+)
@@ -577,7 +604,8 @@ connections 503, and join every thread."
   (pool-thread-count taskmaster))
 
 (defgeneric taskmaster-statistics (taskmaster)
-  (:documentation "A fresh plist describing TASKMASTER's pool now, taken under
+  (:documentation "A fresh plist describing TASKMASTER's pool (TASKMASTER may
+also be a PARALLEL-ACCEPTOR, meaning its taskmaster) now, taken under
 its lock in one go, cheap enough to poll.  Keys: :THREADS (workers in the
 pool), :BUSY-THREADS (workers holding a connection), :ACCEPTING-THREADS
 (workers in accept(2)), :IN-REQUEST-THREADS, :QUEUED-CONNECTIONS, and the

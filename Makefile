@@ -1,0 +1,38 @@
+# make run     the demo server on 127.0.0.1:$(PORT)
+# make test    the test suite (FiveAM), ending with "N passed, M failed"
+# make bench   the benchmark matrix, 10 s a cell; make bench-quick: 2 s, 100 connections
+# Each target installs the Debian packages it needs first (make deps).
+
+PORT ?= 4242
+SBCL = sbcl --noinform --non-interactive --disable-debugger
+LIBRARY_PACKAGES = sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-flexi-streams \
+                   cl-chunga cl-ppcre
+TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl
+BENCH_PACKAGES = wrk nginx-light cl-aserve gnuplot-nox procps curl
+
+.PHONY: deps test-deps bench-deps run test bench bench-quick
+
+deps:
+	@tools/install-deps.sh $(LIBRARY_PACKAGES)
+
+test-deps: deps
+	@tools/install-deps.sh $(TEST_PACKAGES)
+
+bench-deps: deps
+	@tools/install-deps.sh $(BENCH_PACKAGES)
+
+run: deps
+	$(SBCL) --load tools/setup.lisp \
+	  --eval '(asdf:load-system "hunchentoot-recycling-taskmaster/demo")' \
+	  --eval '(hunchentoot-recycling-taskmaster-demo:main :port $(PORT))'
+
+# The overload test holds a thousand client and a thousand server sockets.
+test: test-deps
+	ulimit -n 8192 2>/dev/null || ulimit -n $$(ulimit -Hn); \
+	$(SBCL) --load test/run.lisp
+
+bench: bench-deps
+	bench/run
+
+bench-quick: bench-deps
+	bench/run --quick

@@ -1,0 +1,215 @@
+;;;; The thread pool: sizes, growth, retirement, stop, forced teardown.
+;;;; Pool tests run once per standby size in *STANDBY-SIZES*, each with a
+;;;; thread-leak check.
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite pool :in all :description "The recycling taskmaster's thread pool.")
+(in-suite pool)
+
+(ht:define-easy-handler (test-sleep :uri "/test/sleep") (ms)
+  (sleep (/ (parse-integer ms) 1000))
+  "slept")
+
+(ht:define-easy-handler (test-yo :uri "/test/yo") ()
+  (setf (ht:content-type*) "text/plain")
+  "Hey!")
+
+(defparameter *standby-sizes* '(1 4 8))
+
+(defmacro define-pool-test (name (standby-var) &body body)
+  "Define NAME, running BODY once for each standby size, bound to STANDBY-VAR."
+  `(test ,name
+     (dolist (,standby-var *standby-sizes*)
+       (with-thread-leak-check ()
+         ,@body))))
+
+(defun concurrent-gets (server path count)
+  "GET PATH from COUNT threads at once; the list of status codes."
+  (mapcar (lambda (join) (first (funcall join)))
+          (loop repeat count
+                collect (in-thread (lambda () (http-get server path))))))
+
+(test config.rejects-impossible-combinations
+  (flet ((rejected-p (&rest initargs)
+           (handler-case (progn (apply #'make-instance 'recycling-taskmaster initargs) nil)
+             (invalid-taskmaster-configuration (condition)
+               (and (plusp (length (princ-to-string condition))) t)))))
+    (is (rejected-p :standby-thread-count 10 :max-thread-count 5 :max-accept-count 20))
+    (is (rejected-p :standby-thread-count -1))
+    (is (rejected-p :standby-thread-count 0))
+    (is (rejected-p :standby-thread-count 2.5))
+    (is (rejected-p :standby-thread-count "8"))
+    (is (rejected-p :max-thread-count -3 :max-accept-count nil))
+    (is (rejected-p :max-thread-count 10 :max-accept-count 10))
+    (is (rejected-p :max-thread-count nil :max-accept-count 10))
+    (is (rejected-p :thread-idle-timeout 0))
+    (is (not (rejected-p :standby-thread-count 4 :max-thread-count 4 :max-accept-count nil)))
+    (is (not (rejected-p :max-thread-count nil :max-accept-count nil)))))
+
+(test config.defaults
+  (let ((taskmaster (make-instance 'recycling-taskmaster)))
+    (is (= *default-standby-thread-count* (taskmaster-standby-thread-count taskmaster)))
+    (is (= 8 *default-standby-thread-count*))
+    (is (= 100 (ht:taskmaster-max-thread-count taskmaster)))
+    (is (= 120 (ht:taskmaster-max-accept-count taskmaster))))
+  (dolist (class '(parallel-acceptor parallel-easy-acceptor))
+    (is (eql 0 (getf (taskmaster-statistics (make-instance class)) :threads))
+        "~S has a recycling taskmaster by default" class)))
+
+(test acceptor.requires-parallel-acceptor
+  (with-thread-leak-check ()
+    (let ((acceptor (make-server 'ht:easy-acceptor :taskmaster (make-instance 'recycling-taskmaster))))
+      (signals acceptor-not-parallel-error (ht:start acceptor))
+      (is (not (ht:started-p acceptor)) "the failed start leaves the port free"))))
+
+(define-pool-test pool.start-makes-standby-threads (standby)
+  (with-server (server (pooled-server :standby-thread-count standby))
+    (is (= standby (stats server :threads)))
+    (is (= standby (stats server :accepting-threads)))
+    (is (eql 200 (http-get server "/test/yo")))))
+
+(define-pool-test pool.grows-under-load-and-shrinks-after (standby)
+  (with-server (server (pooled-server :standby-thread-count standby :thread-idle-timeout 0.2))
+    (let ((statuses (concurrent-gets server "/test/sleep?ms=100" 50)))
+      (is (every (lambda (status) (eql 200 status)) statuses) "statuses ~S" statuses))
+    (is (< standby (stats server :peak-threads)) "the pool grew past standby")
+    (is (<= (stats server :peak-threads) 100))
+    (is (wait-until (lambda () (= standby (stats server :threads))) :timeout 10)
+        "the pool shrank back to ~D, it holds ~D" standby (stats server :threads))
+    (is (plusp (stats server :threads-retired)))
+    (is (<= 50 (stats server :requests-served)))))
+
+(define-pool-test pool.never-exceeds-max-thread-count (standby)
+  (with-server (server (pooled-server :standby-thread-count standby :max-thread-count 8
+                                      :max-accept-count 100))
+    (let ((statuses (concurrent-gets server "/test/sleep?ms=100" 30)))
+      (is (every (lambda (status) (eql 200 status)) statuses)
+          "connections past the thread limit are queued and served: ~S" statuses))
+    (is (= 8 (stats server :peak-threads)))))
+
+(define-pool-test pool.answers-503-past-max-accept-count (standby)
+  (with-server (server (pooled-server :standby-thread-count (min standby 2)
+                                      :max-thread-count 2 :max-accept-count 3))
+    (let ((statuses (concurrent-gets server "/test/sleep?ms=500" 8)))
+      (is (every (lambda (status) (member status '(200 503))) statuses) "statuses ~S" statuses)
+      (is (<= 3 (count 200 statuses)))
+      (is (plusp (count 503 statuses)))
+      (is (= (count 503 statuses) (stats server :connections-rejected))))))
+
+(define-pool-test pool.counts-are-zero-after-stop (standby)
+  (let ((server (pooled-server :standby-thread-count standby)))
+    (with-server (server server)
+      (concurrent-gets server "/test/yo" 10))
+    (is (= 0 (stats server :threads)))
+    (is (= 0 (stats server :busy-threads)))
+    (is (= 0 (stats server :accepting-threads)))
+    (is (= 0 (stats server :in-request-threads)))))
+
+(define-pool-test pool.restarts-on-the-same-port (standby)
+  (let* ((port (free-port))
+         (server (make-instance 'parallel-easy-acceptor
+                                :port port :address "127.0.0.1" :access-log-destination nil
+                                :message-log-destination nil
+                                :taskmaster (make-instance 'recycling-taskmaster
+                                                           :standby-thread-count standby))))
+    (is (loop repeat 20
+              always (progn (ht:start server)
+                            (prog1 (eql 200 (http-get server "/test/yo"))
+                              (ht:stop server)))))))
+
+(define-pool-test pool.survives-handler-errors-and-dropped-clients (standby)
+  (with-server (server (pooled-server :standby-thread-count standby))
+    (is (eql 500 (http-get server "/test/error")))
+    ;; A client that leaves in the middle of its request head...
+    (let ((socket (connect server)))
+      (send-text socket "GET /test/yo HTTP/1.1\r\nHost: loc")
+      (usocket:socket-close socket))
+    ;; ...and one that leaves in the middle of a 10 MB reply.
+    (let ((socket (connect server)))
+      (send-text socket (crlf-lines "GET /test/large HTTP/1.1" "Host: localhost" ""))
+      (read-byte (usocket:socket-stream socket))
+      (usocket:socket-close socket))
+    (is (wait-until (lambda () (and (zerop (stats server :busy-threads))
+                                     (= standby (stats server :threads))))
+                    :timeout 10)
+        "every worker is free again and the pool is back to ~D" standby)
+    (is (eql 200 (http-get server "/test/yo")))))
+
+(define-pool-test pool.replaces-a-dead-worker (standby)
+  (with-server (server (pooled-server :standby-thread-count standby))
+    (let ((worker (find-if (lambda (thread) (search "recycling-worker" (bt:thread-name thread)))
+                           (bt:all-threads))))
+      (bt:destroy-thread worker)
+      (is (wait-until (lambda () (not (bt:thread-alive-p worker))))))
+    (is (wait-until (lambda () (= standby (stats server :accepting-threads)))))
+    (is (eql 200 (http-get server "/test/yo")))))
+
+(define-pool-test pool.soft-stop-finishes-requests-in-flight (standby)
+  (let* ((server (pooled-server :standby-thread-count standby))
+         (client nil))
+    (ht:start server)
+    (setf client (in-thread (lambda () (http-get server "/test/sleep?ms=700"))))
+    (wait-until (lambda () (plusp (stats server :in-request-threads))))
+    (ht:stop server :soft t)
+    (destructuring-bind (status body) (funcall client)
+      (is (eql 200 status))
+      (is (equal "slept" body)))
+    (is (= 0 (stats server :threads)))))
+
+(define-pool-test pool.hard-stop-cuts-requests-in-flight (standby)
+  (let* ((server (pooled-server :standby-thread-count standby))
+         (client nil))
+    (ht:start server)
+    (setf client (in-thread (lambda () (http-get server "/test/sleep?ms=5000"))))
+    (wait-until (lambda () (plusp (stats server :in-request-threads))))
+    (let ((start (get-internal-real-time)))
+      (ht:stop server)
+      (is (< (- (get-internal-real-time) start) (* 2 internal-time-units-per-second))
+          "hard stop returns without waiting for the 5 s handler"))
+    (is (not (eql 200 (first (funcall client)))))
+    (is (= 0 (stats server :threads)))))
+
+(define-pool-test pool.stop-closes-idle-keep-alive-connections (standby)
+  (let ((server (pooled-server :standby-thread-count standby)))
+    (ht:start server)
+    (let ((socket (connect server)))
+      (send-text socket (crlf-lines "GET /test/yo HTTP/1.1" "Host: localhost" ""))
+      (is (eql 200 (read-response socket)))
+      (let ((start (get-internal-real-time)))
+        (ht:stop server)
+        (is (< (- (get-internal-real-time) start) internal-time-units-per-second)
+            "stop does not wait for the idle connection's read timeout"))
+      (usocket:socket-close socket))))
+
+(defun abandon-and-check-port (server)
+  (let ((port (ht:acceptor-port server)))
+    (abandon-acceptor server)
+    (is (not (ht:started-p server)))
+    (is (= 0 (stats server :threads)))
+    (with-server (again (make-instance 'parallel-easy-acceptor
+                                       :port port :address "127.0.0.1"
+                                       :access-log-destination nil :message-log-destination nil))
+      (is (eql 200 (http-get again "/test/yo")) "the port is reusable at once"))))
+
+(define-pool-test abandon.idle (standby)
+  (let ((server (pooled-server :standby-thread-count standby)))
+    (ht:start server)
+    (abandon-and-check-port server)))
+
+(define-pool-test abandon.mid-request (standby)
+  (let ((server (pooled-server :standby-thread-count standby)))
+    (ht:start server)
+    (let ((client (in-thread (lambda () (http-get server "/test/sleep?ms=5000")))))
+      (wait-until (lambda () (plusp (stats server :in-request-threads))))
+      (abandon-and-check-port server)
+      (is (not (eql 200 (first (funcall client))))))))
+
+(define-pool-test abandon.with-a-dead-worker (standby)
+  (let ((server (pooled-server :standby-thread-count standby)))
+    (ht:start server)
+    (let ((worker (find-if (lambda (thread) (search "recycling-worker" (bt:thread-name thread)))
+                           (bt:all-threads))))
+      (bt:destroy-thread worker)
+      (wait-until (lambda () (not (bt:thread-alive-p worker)))))
+    (abandon-and-check-port server)))

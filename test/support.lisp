@@ -1,0 +1,150 @@
+;;;; Servers on free ports, a raw HTTP client, thread accounting, and the
+;;;; runner that prints the closing "N passed, M failed" line.
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite all :description "Every test of hunchentoot-recycling-taskmaster.")
+
+(defun free-port ()
+  "A port the kernel just handed out, closed again for the server to take."
+  (let ((socket (usocket:socket-listen "127.0.0.1" 0 :reuseaddress t)))
+    (prog1 (usocket:get-local-port socket)
+      (usocket:socket-close socket))))
+
+(defun make-server (class &rest initargs)
+  (apply #'make-instance class :port 0 :address "127.0.0.1"
+                               :access-log-destination nil
+                               :message-log-destination nil
+                               initargs))
+
+(defun pooled-server (&rest taskmaster-initargs)
+  "A PARALLEL-EASY-ACCEPTOR with a RECYCLING-TASKMASTER made of TASKMASTER-INITARGS."
+  (make-server 'parallel-easy-acceptor
+               :taskmaster (apply #'make-instance 'recycling-taskmaster taskmaster-initargs)))
+
+(defun url (server path)
+  (format nil "~:[http~;https~]://127.0.0.1:~D~A"
+          (ht:acceptor-ssl-p server) (ht:acceptor-port server) path))
+
+(defun http-get (server path &rest drakma-args)
+  "Status code and body of GET PATH, or the condition that made it fail."
+  (handler-case
+      (multiple-value-bind (body status)
+          (apply #'drakma:http-request (url server path) :connection-timeout 10 drakma-args)
+        (values status body))
+    (error (condition) (values nil condition))))
+
+(defun stats (server key)
+  (getf (taskmaster-statistics server) key))
+
+(defun wait-until (predicate &key (timeout 10) (interval 0.02))
+  "True as soon as PREDICATE is, false if it is still false after TIMEOUT seconds."
+  (loop with deadline = (+ (get-internal-real-time) (* timeout internal-time-units-per-second))
+        when (funcall predicate) return t
+        when (> (get-internal-real-time) deadline) return nil
+        do (sleep interval)))
+
+(defun thread-count () (length (bt:all-threads)))
+
+(defmacro with-thread-leak-check (() &body body)
+  "Run BODY, then check that every thread it started has ended."
+  (let ((before (gensym "BEFORE")))
+    `(let ((,before (thread-count)))
+       (multiple-value-prog1 (progn ,@body)
+         (is (wait-until (lambda () (<= (thread-count) ,before)) :timeout 10)
+             "thread leak: ~D threads before, ~D after" ,before (thread-count))))))
+
+(defmacro with-server ((var form) &body body)
+  "Start the acceptor FORM as VAR for BODY; stop it afterwards, by force if
+STOP fails."
+  `(let ((,var ,form))
+     (ht:start ,var)
+     (unwind-protect (progn ,@body)
+       (when (ht:started-p ,var)
+         (handler-case (ht:stop ,var)
+           (error () (abandon-acceptor ,var)))))))
+
+(defun in-thread (function)
+  "Run FUNCTION in a new thread; returns a function that joins it and returns
+its values as a list."
+  (let ((thread (bt:make-thread (lambda () (multiple-value-list (funcall function)))
+                                :name "test client")))
+    (lambda () (bt:join-thread thread))))
+
+;;; A raw client, for what drakma hides: exact bytes, keep-alive, many sockets.
+
+(defun connect (server)
+  (usocket:socket-connect "127.0.0.1" (ht:acceptor-port server)
+                          :element-type '(unsigned-byte 8)))
+
+(defun send-text (socket text)
+  (let ((stream (usocket:socket-stream socket)))
+    (write-sequence (flex:string-to-octets text :external-format :utf-8) stream)
+    (finish-output stream)))
+
+(defun crlf-lines (&rest lines)
+  (format nil "~{~A~C~C~}" (loop for line in lines collect line collect #\Return collect #\Linefeed)))
+
+(defun response-complete-p (octets)
+  "Length of the first complete response (head and Content-Length body) at the
+start of OCTETS, or NIL."
+  (let ((head-end (search #(13 10 13 10) octets)))
+    (when head-end
+      (let* ((head (flex:octets-to-string octets :end head-end :external-format :latin-1))
+             (length-match (nth-value 1 (cl-ppcre:scan-to-strings
+                                         "(?im)^content-length:\\s*(\\d+)" head)))
+             (body-length (if length-match (parse-integer (aref length-match 0)) 0))
+             (total (+ head-end 4 body-length)))
+        (when (<= total (length octets))
+          total)))))
+
+(defun read-response (socket &key (timeout 10))
+  "Status code and body (a string) of one Content-Length response read from
+SOCKET; NIL on EOF or timeout."
+  (let ((stream (usocket:socket-stream socket))
+        (octets (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer t))
+        (deadline (+ (get-internal-real-time) (* timeout internal-time-units-per-second))))
+    (loop
+      (let ((total (response-complete-p octets)))
+        (when total
+          (let* ((text (flex:octets-to-string octets :end total :external-format :utf-8))
+                 (body-start (+ 4 (search (coerce '(#\Return #\Linefeed #\Return #\Linefeed) 'string) text))))
+            (return (values (parse-integer text :start 9 :end 12) (subseq text body-start))))))
+      (when (> (get-internal-real-time) deadline)
+        (return nil))
+      (if (usocket:wait-for-input socket :timeout 0.1 :ready-only t)
+          (let ((byte (read-byte stream nil)))
+            (if byte (vector-push-extend byte octets) (return nil)))))))
+
+;;; Certificates for the HTTPS tests, made with the openssl CLI.
+
+(defvar *certificate-directory* nil)
+
+(defun certificate-files ()
+  "Certificate and key files for 127.0.0.1, made once per test run."
+  (unless *certificate-directory*
+    (let ((directory (format nil "~A/" (string-right-trim
+                                        '(#\Newline)
+                                        (uiop:run-program '("mktemp" "-d") :output :string)))))
+      (uiop:run-program (list "openssl" "req" "-x509" "-newkey" "rsa:2048" "-nodes"
+                              "-keyout" (concatenate 'string directory "key.pem")
+                              "-out" (concatenate 'string directory "cert.pem")
+                              "-days" "2" "-subj" "/CN=127.0.0.1")
+                        :error-output nil :output nil)
+      (setf *certificate-directory* directory)))
+  (values (concatenate 'string *certificate-directory* "cert.pem")
+          (concatenate 'string *certificate-directory* "key.pem")))
+
+;;; The runner.
+
+(defun run-tests (&optional (suite-name "ALL"))
+  "Run the suite named SUITE-NAME (default every test); print one closing line
+\"N passed, M failed\".  True when none failed."
+  (let* ((results (let ((*print-names* t))
+                    (run (intern (string-upcase suite-name) '#:hunchentoot-recycling-taskmaster-test))))
+         (passed (count-if (lambda (result) (typep result 'fiveam::test-passed)) results))
+         (failed (- (length results) passed)))
+    (explain! results)
+    (format t "~&~D passed, ~D failed~%" passed failed)
+    (finish-output)
+    (zerop failed)))
