@@ -35,9 +35,11 @@ easy-acceptor and ours, and the thread-pool tests."
 
 (defsystem "hunchentoot-recycling-taskmaster/bench"
   :description "Benchmark servers started in their own process by bench/run."
-  :depends-on ("hunchentoot-recycling-taskmaster" "aserve")
+  :depends-on ("hunchentoot-recycling-taskmaster" "aserve" "cl-ppcre" "usocket")
   :pathname "bench/"
-  :components ((:file "server")))
+  :serial t
+  :components ((:file "server")
+               (:file "driver")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
   :description "The demo server that `make run` starts."

@@ -71,7 +71,6 @@ Takes the same :SSL-CERTIFICATE-FILE, :SSL-PRIVATEKEY-FILE and
           (pending-thread-count taskmaster) 0
           (accepting-count taskmaster) 0
           (busy-count taskmaster) 0
-          (in-request-count taskmaster) 0
           (overflow-accepting-p taskmaster) nil)
     (notify-pool-changed taskmaster)))
 

@@ -36,7 +36,7 @@ connection stays open for another."
     (multiple-value-bind (headers-in method uri protocol)
         (read-request-head (connection-stream))
       (when method
-        (note-request-started taskmaster worker)
+        (note-request-started worker)
         (answer-request acceptor socket headers-in method uri protocol)
         (note-request-finished taskmaster worker)
         (setf (connection-stream)

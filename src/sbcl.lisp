@@ -60,3 +60,8 @@ can only wake one."
       (sb-thread:join-thread thread :default nil :timeout seconds)
     (declare (ignore result))
     (not (eq problem :timeout))))
+
+(defmacro memory-barrier ()
+  "Order this thread's earlier writes before its later reads, which x86-64
+does not do by itself."
+  `(sb-thread:barrier (:memory)))

@@ -3,12 +3,18 @@
 ;;;; shrunk by idle workers retiring themselves.
 ;;;;
 ;;;; Locking discipline.  POOL-LOCK guards every mutable slot of the
-;;;; taskmaster and the STATE and SOCKET of every worker.  Each change of
-;;;; pool state is one small NOTE-... or CLAIM-... function that takes the
-;;;; lock itself, with interrupts deferred, so that HUNCHENTOOT:STOP's
-;;;; interrupts never see half a change.  The lock is never held across
-;;;; socket I/O, thread creation or joining.  A worker's REQUESTS-SERVED is
-;;;; written only by its own thread, without the lock.
+;;;; taskmaster and the SOCKET of every worker.  Each change of pool state
+;;;; is one small NOTE-... or CLAIM-... function that takes the lock itself,
+;;;; with interrupts deferred, so that HUNCHENTOOT:STOP's interrupts never
+;;;; see half a change.  The lock is never held across socket I/O, thread
+;;;; creation or joining.
+;;;;
+;;;; Per request, a worker takes no lock: it only writes its own STATE (one
+;;;; word) and REQUESTS-SERVED.  Between requests it writes STATE, then,
+;;;; after a memory barrier, reads SHUTTING-DOWN-P; BEGIN-SHUTDOWN writes
+;;;; SHUTTING-DOWN-P under the lock, and the stopping thread reads STATEs
+;;;; after taking the lock.  So either the worker sees the stop, or the stop
+;;;; sees the worker waiting and cuts it.
 ;;;;
 ;;;; Interrupts.  Only HUNCHENTOOT:SHUTDOWN and the thread-making thread
 ;;;; interrupt a worker, and only to end the connection it serves.  The
@@ -90,8 +96,6 @@ accepts on behalf of a saturated pool.")
                     :documentation "Workers in (or entering) accept(2).")
    (busy-count :initform 0 :accessor busy-count
                :documentation "Workers holding a connection.")
-   (in-request-count :initform 0 :accessor in-request-count
-                     :documentation "Workers inside a request, from its head read to its reply sent.")
    (queued-connections :initform '() :accessor queued-connections
                        :documentation "Connections accepted while the pool was saturated, oldest first.")
    (overflow-accepting-p :initform nil :accessor overflow-accepting-p
@@ -272,29 +276,28 @@ only when an accepting worker takes a connection."
 (defun note-waiting-for-request (taskmaster worker first-request-p)
   "WORKER is about to wait for a request head.  Returns false when the
 taskmaster is stopping, and the connection should end instead."
-  (with-pool-state-change (taskmaster)
-    (unless (or (shutting-down-p taskmaster)
-                (acceptor-shutting-down-p (hunchentoot:taskmaster-acceptor taskmaster)))
-      (setf (worker-state worker) (if first-request-p :reading :idle))
-      t)))
+  (setf (worker-state worker) (if first-request-p :reading :idle))
+  (memory-barrier)
+  (not (or (shutting-down-p taskmaster)
+           (acceptor-shutting-down-p (hunchentoot:taskmaster-acceptor taskmaster)))))
 
-(defun note-request-started (taskmaster worker)
-  (with-pool-state-change (taskmaster)
-    (setf (worker-state worker) :in-request)
-    (incf (in-request-count taskmaster))))
+(defun note-request-started (worker)
+  (setf (worker-state worker) :in-request))
 
 (defun note-request-finished (taskmaster worker)
   (incf (worker-requests-served worker))
-  (with-pool-state-change (taskmaster)
-    (setf (worker-state worker) :connected)
-    (decf (in-request-count taskmaster))
-    (when (shutting-down-p taskmaster)
+  (setf (worker-state worker) :connected)
+  (when (shutting-down-p taskmaster)
+    (with-pool-lock (taskmaster)
       (notify-pool-changed taskmaster))))
+
+(defun in-request-count (taskmaster)
+  "Workers inside a request, from its head read to its reply sent.  Call
+with POOL-LOCK held."
+  (count :in-request (pool-workers taskmaster) :key #'worker-state))
 
 (defun note-connection-finished (taskmaster worker)
   (with-pool-state-change (taskmaster)
-    (when (eq (worker-state worker) :in-request)
-      (decf (in-request-count taskmaster)))
     (setf (worker-state worker) :ready
           (worker-socket worker) nil
           (worker-cut-requested-p worker) nil)
@@ -312,8 +315,6 @@ counts, and ask for a replacement if the pool fell below standby."
        (when (and (zerop (accepting-count taskmaster)) (pool-may-grow-p taskmaster))
          (incf (pending-thread-count taskmaster))))
       ((:connected :reading :idle :in-request)
-       (when (eq (worker-state worker) :in-request)
-         (decf (in-request-count taskmaster)))
        (decf (busy-count taskmaster))
        (decf (pool-thread-count taskmaster)))
       (t (decf (pool-thread-count taskmaster))))

@@ -1,0 +1,348 @@
+;;;; The benchmark driver: every server of *SERVERS* against every workload
+;;;; of *WORKLOADS*, each cell in a fresh server process, measured by wrk.
+;;;; Writes bench/results/<UTC timestamp>/ and prints a ratio table.
+
+(in-package #:hunchentoot-recycling-taskmaster-bench)
+
+(defparameter *servers*
+  '((:name "hunchentoot" :label "Hunchentoot easy-acceptor" :lisp :hunchentoot)
+    (:name "parallel" :label "parallel-easy-acceptor" :lisp :parallel)
+    (:name "parallel-standby-2xcores" :label "parallel, standby = 2 x cores"
+     :lisp :parallel-standby-2x-cores)
+    (:name "aserve" :label "Portable AllegroServe" :lisp :aserve)
+    (:name "nginx" :label "nginx, 2 workers" :nginx t))
+  "The servers measured, in table and chart order.  The first is the baseline
+that every ratio is taken against.  A :LISP server is a kind that SERVE
+starts in a process of its own; :NGINX runs Debian's nginx.")
+
+(defun workloads (quick)
+  "Every workload: handler delay, keep-alive or one request per connection,
+concurrency.  QUICK keeps 100 connections only."
+  (loop for delay-ms in '(0 1)
+        append (loop for close in '(nil t)
+                     append (loop for connections in (if quick '(100) '(100 1000))
+                                  collect (list :delay-ms delay-ms :close close
+                                                :connections connections)))))
+
+(defun workload-name (workload)
+  (destructuring-bind (&key delay-ms close connections) workload
+    (format nil "~Dms ~:[keep-alive~;close~] c~D" delay-ms close connections)))
+
+(defun workload-file-name (workload)
+  (substitute #\_ #\Space (workload-name workload)))
+
+;;; Processes.
+
+(defun free-port ()
+  (let ((socket (usocket:socket-listen "127.0.0.1" 0 :reuseaddress t)))
+    (prog1 (usocket:get-local-port socket)
+      (usocket:socket-close socket))))
+
+(defun nginx-config (directory port)
+  (format nil "worker_processes 2;
+daemon off;
+master_process on;
+pid ~Anginx.pid;
+error_log ~Aerror.log;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  keepalive_requests 1000000;
+  client_body_temp_path ~A;
+  proxy_temp_path ~A;
+  fastcgi_temp_path ~A;
+  uwsgi_temp_path ~A;
+  scgi_temp_path ~A;
+  server {
+    listen 127.0.0.1:~D;
+    location /yo { default_type text/plain; return 200 \"Hey!\"; }
+  }
+}
+" directory directory directory directory directory directory directory port))
+
+(defun launch-server (server port delay-ms core log-file)
+  "Start SERVER in a process of its own; its process-info."
+  (if (getf server :nginx)
+      (let* ((directory (format nil "~A/" (string-right-trim
+                                          '(#\Newline)
+                                          (uiop:run-program '("mktemp" "-d") :output :string))))
+             (config (concatenate 'string directory "nginx.conf")))
+        (with-open-file (out config :direction :output)
+          (write-string (nginx-config directory port) out))
+        (uiop:launch-program (list "nginx" "-c" config "-p" directory "-e" (concatenate 'string directory "error.log"))
+                             :output log-file :error-output :output :if-output-exists :supersede))
+      (uiop:launch-program
+       (list "sbcl" "--core" core "--noinform" "--non-interactive" "--disable-debugger"
+             "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve ~S ~D :delay-ms ~D)"
+                              (getf server :lisp) port delay-ms))
+       :output log-file :error-output :output :if-output-exists :supersede)))
+
+(defun stop-server (process)
+  "End PROCESS by its PID: TERM, then KILL if it is still there after 5 s."
+  (uiop:terminate-process process)
+  (loop repeat 50
+        while (uiop:process-alive-p process)
+        do (sleep 0.1))
+  (when (uiop:process-alive-p process)
+    (uiop:terminate-process process :urgent t))
+  (uiop:wait-process process))
+
+(defun http-get (port path)
+  "The body of GET PATH, or NIL when the server does not answer 200."
+  (multiple-value-bind (body error-output status)
+      (uiop:run-program (list "curl" "-s" "-f" "--max-time" "5"
+                              (format nil "http://127.0.0.1:~D~A" port path))
+                        :output :string :ignore-error-status t)
+    (declare (ignore error-output))
+    (and (zerop status) body)))
+
+(defun wait-until-serving (port)
+  (loop repeat 300
+        thereis (equal "Hey!" (http-get port "/yo"))
+        do (sleep 0.1)))
+
+(defun lisp-counters (port reset)
+  "Requests served, bytes consed and peak threads of a Lisp server, as a plist."
+  (let ((text (http-get port (if reset "/bench-stats?reset=1" "/bench-stats"))))
+    (when text
+      (destructuring-bind (requests consed peak)
+          (mapcar #'parse-integer (cl-ppcre:all-matches-as-strings "\\d+" text))
+        (list :requests requests :consed consed :peak-threads peak)))))
+
+;;; wrk.
+
+(defun wrk (port workload seconds)
+  "Run wrk on 127.0.0.1:PORT/yo for SECONDS; its whole output."
+  (destructuring-bind (&key close connections &allow-other-keys) workload
+    (uiop:run-program (append (list "wrk" "-t2" (format nil "-c~D" connections)
+                                    (format nil "-d~Ds" seconds) "--latency")
+                              (when close (list "-H" "Connection: close"))
+                              (list (format nil "http://127.0.0.1:~D/yo" port)))
+                      :output :string :error-output :output :ignore-error-status t)))
+
+(defun latency-ms (text percentile)
+  (let ((match (nth-value 1 (cl-ppcre:scan-to-strings
+                             (format nil "(?m)^\\s+~D%\\s+([\\d.]+)(us|ms|s)" percentile) text))))
+    (when match
+      (* (let ((*read-default-float-format* 'double-float))
+           (read-from-string (aref match 0)))
+         (cdr (assoc (aref match 1) '(("us" . 1/1000) ("ms" . 1) ("s" . 1000)) :test #'string=))))))
+
+(defun scan-number (regex text &optional (default 0))
+  (let ((match (nth-value 1 (cl-ppcre:scan-to-strings regex text))))
+    (if match
+        (let ((*read-default-float-format* 'double-float))
+          (read-from-string (aref match 0)))
+        default)))
+
+(defun parse-wrk (text)
+  (let ((errors (nth-value 1 (cl-ppcre:scan-to-strings
+                              "Socket errors: connect (\\d+), read (\\d+), write (\\d+), timeout (\\d+)"
+                              text))))
+    (list :requests-per-second (scan-number "Requests/sec:\\s+([\\d.]+)" text)
+          :p50-ms (latency-ms text 50)
+          :p99-ms (latency-ms text 99)
+          :connect-errors (if errors (parse-integer (aref errors 0)) 0)
+          :read-errors (if errors (parse-integer (aref errors 1)) 0)
+          :write-errors (if errors (parse-integer (aref errors 2)) 0)
+          :timeout-errors (if errors (parse-integer (aref errors 3)) 0)
+          :non-2xx (scan-number "Non-2xx or 3xx responses: (\\d+)" text))))
+
+;;; One cell.
+
+(defun measure-cell (server workload &key seconds warm-seconds core directory)
+  "Start SERVER, check it, warm it, measure WORKLOAD, stop it.  A plist."
+  (let* ((port (free-port))
+         (base (format nil "~Araw/~A_~A" directory (getf server :name) (workload-file-name workload)))
+         (process (launch-server server port (getf workload :delay-ms) core
+                                 (concatenate 'string base ".server.log"))))
+    (unwind-protect
+         (if (not (wait-until-serving port))
+             (list :failed "server did not answer GET /yo within 30 s")
+             (let ((lisp (getf server :lisp)))
+               (wrk port workload warm-seconds)
+               (let* ((before (and lisp (lisp-counters port t)))
+                      (output (wrk port workload seconds))
+                      (after (and lisp (lisp-counters port nil)))
+                      (served (and before after (- (getf after :requests) (getf before :requests)))))
+                 (with-open-file (out (concatenate 'string base ".wrk.txt") :direction :output
+                                                                             :if-exists :supersede)
+                   (write-string output out))
+                 (append (parse-wrk output)
+                         (list :bytes-consed-per-request
+                               (and served (plusp served)
+                                    (round (- (getf after :consed) (getf before :consed)) served))
+                               :peak-threads (and after (getf after :peak-threads)))))))
+      (stop-server process))))
+
+;;; Output.
+
+(defun utc-timestamp ()
+  (multiple-value-bind (second minute hour day month year) (decode-universal-time (get-universal-time) 0)
+    (format nil "~4,'0D-~2,'0D-~2,'0DT~2,'0D~2,'0D~2,'0DZ" year month day hour minute second)))
+
+(defun shell-line (command)
+  (string-right-trim '(#\Newline)
+                     (uiop:run-program (list "bash" "-c" command) :output :string
+                                                                  :ignore-error-status t)))
+
+(defun write-system-info (file)
+  (with-open-file (out file :direction :output :if-exists :supersede)
+    (format out "date: ~A~%" (shell-line "date -u '+%Y-%m-%d %H:%M:%S UTC'"))
+    (format out "cpu: ~A~%" (shell-line "lscpu | sed -n 's/^Model name:[[:space:]]*//p'"))
+    (format out "cores: ~A~%" (shell-line "nproc"))
+    (format out "kernel: ~A~%" (shell-line "uname -srm"))
+    (format out "sbcl: ~A~%" (shell-line "sbcl --version"))
+    (format out "packages:~%~A~%"
+            (shell-line "dpkg-query -W cl-hunchentoot cl-usocket cl-bordeaux-threads cl-aserve nginx-light wrk 2>/dev/null | sed 's/^/  /'"))
+    (format out "commit: ~A~%" (shell-line "git rev-parse HEAD 2>/dev/null && git status --porcelain --untracked-files=no | grep -q . && echo '(with uncommitted changes)'"))))
+
+(defun ratio-to (value baseline)
+  (and value baseline (plusp baseline) (/ value baseline)))
+
+(defun ratio-text (ratio)
+  "Two decimals, or three significant ones below 0.1, so small ratios do not read as zero."
+  (let ((ratio (float ratio 1d0)))
+    (if (< ratio 0.1d0)
+        (format nil "~,3F" ratio)
+        (format nil "~,2F" ratio))))
+
+(defparameter *bar-colours* '("#7f7f7f" "#1f77b4" "#2ca02c" "#d62728" "#ff7f0e" "#9467bd" "#8c564b")
+  "Bar colour of each server, in *SERVERS* order.")
+
+(defun csv-field (value)
+  (typecase value
+    (null "")
+    (float (format nil "~,3F" value))
+    (ratio (format nil "~,3F" (float value 1d0)))
+    (t (princ-to-string value))))
+
+(defparameter *csv-keys*
+  '(:requests-per-second :p50-ms :p99-ms :connect-errors :read-errors :write-errors
+    :timeout-errors :non-2xx :bytes-consed-per-request :peak-threads))
+
+(defun write-csv (file results)
+  "RESULTS: list of (server workload plist ratio)."
+  (with-open-file (out file :direction :output :if-exists :supersede)
+    (format out "server,handler_ms,connection,connections,~{~(~A~)~^,~},ratio_to_baseline,failure~%"
+            (mapcar (lambda (key) (substitute #\_ #\- (string key))) *csv-keys*))
+    (loop for (server workload cell ratio) in results
+          do (format out "~A,~D,~:[keep-alive~;close~],~D,~{~A~^,~},~A,~A~%"
+                     (getf server :name) (getf workload :delay-ms) (getf workload :close)
+                     (getf workload :connections)
+                     (mapcar (lambda (key) (csv-field (getf cell key))) *csv-keys*)
+                     (csv-field ratio) (or (getf cell :failed) "")))))
+
+(defun write-chart (directory results workloads key title file-stem baseline-cells)
+  "A clustered bar chart of KEY, one cluster per workload, one bar per
+server, labelled with the ratio to the baseline; SVG and PNG via gnuplot."
+  (let ((data-file (format nil "~A~A.dat" directory file-stem))
+        (script-file (format nil "~A~A.gp" directory file-stem))
+        (server-count (length *servers*)))
+    (with-open-file (out data-file :direction :output :if-exists :supersede)
+      (loop for workload in workloads
+            for index from 0
+            do (format out "~D \"~A\"" index (workload-name workload))
+               (dolist (server *servers*)
+                 (let* ((cell (third (find-if (lambda (result) (and (eq (first result) server)
+                                                                    (equal (second result) workload)))
+                                              results)))
+                        (value (getf cell key))
+                        (base (getf (gethash workload baseline-cells) key)))
+                   (format out " ~A ~A"
+                           (if (and value (plusp value)) (csv-field (float value 1d0)) "NaN")
+                           (let ((ratio (ratio-to value base)))
+                             (if ratio (format nil "\"~Ax\"" (ratio-text ratio)) "\"\"")))))
+               (terpri out)))
+    (with-open-file (out script-file :direction :output :if-exists :supersede)
+      (format out "set title \"~A\"
+set style fill solid 0.85 border -1
+set logscale y
+set grid ytics
+set key outside bottom center horizontal
+set xtics rotate by -20 scale 0
+set xrange [-0.6:~D]
+bw = ~F
+~{~A~%~}"
+              title (- (length workloads) 0.4) (/ 0.8 server-count)
+              (loop for (terminal extension) in '(("svg size 1400,700 dynamic font 'sans,11'" "svg")
+                                                  ("pngcairo size 1400,700 font 'sans,10'" "png"))
+                    collect (format nil "set terminal ~A~%set output \"~A~A.~A\"~%plot ~{~A~^, \\~%     ~}"
+                                    terminal directory file-stem extension
+                                    (loop for server in *servers*
+                                          for i from 0
+                                          for value-column = (+ 3 (* 2 i))
+                                          for offset = (* (- i (/ (1- server-count) 2)) (/ 0.8 server-count))
+                                          collect (format nil "\"~A\" using ($1+~F):~D:(bw)~:[~;:xtic(2)~] with boxes lc rgb \"~A\" title \"~A\""
+                                                          data-file (float offset) value-column (zerop i)
+                                                          (nth (mod i (length *bar-colours*)) *bar-colours*)
+                                                          (getf server :label))
+                                          collect (format nil "\"~A\" using ($1+~F):~D:~D with labels offset 0,0.7 font ',8' notitle"
+                                                          data-file (float offset) value-column (1+ value-column)))))))
+    (uiop:run-program (list "gnuplot" script-file) :ignore-error-status t :error-output :output
+                                                   :output *standard-output*)))
+
+(defun summary-table (results workloads baseline-cells)
+  "Markdown: one row per workload, each server's requests/s ratio to the baseline."
+  (with-output-to-string (out)
+    (format out "| workload |~{ ~A |~}~%|---|~{~A~}~%"
+            (mapcar (lambda (server) (getf server :name)) *servers*)
+            (mapcar (constantly "---:|") *servers*))
+    (dolist (workload workloads)
+      (format out "| ~A |" (workload-name workload))
+      (dolist (server *servers*)
+        (let* ((cell (third (find-if (lambda (result) (and (eq (first result) server)
+                                                           (equal (second result) workload)))
+                                     results)))
+               (value (getf cell :requests-per-second))
+               (ratio (ratio-to value (getf (gethash workload baseline-cells) :requests-per-second))))
+          (format out " ~:[failed~;~:*~Ax (~D/s)~] |"
+                  (and ratio (ratio-text ratio)) (and value (round value)))))
+      (terpri out))))
+
+(defun duration-text (seconds)
+  (multiple-value-bind (minutes seconds) (floor (round seconds) 60)
+    (format nil "~Dm~2,'0Ds" minutes seconds)))
+
+(defun run-benchmarks (&key quick core (output-root "bench/results/"))
+  "Measure every server on every workload (QUICK: 2 s cells, 100 connections
+only); write the results directory and print the ratio table.  Returns the
+directory."
+  (let* ((seconds (if quick 2 10))
+         (warm-seconds 2)
+         (workloads (workloads quick))
+         (directory (format nil "~A~A/" output-root (utc-timestamp)))
+         (cells (loop for workload in workloads
+                      append (loop for server in *servers* collect (list server workload))))
+         (cell-overhead-seconds 3)
+         (results '())
+         (baseline-cells (make-hash-table :test #'equal)))
+    (ensure-directories-exist (concatenate 'string directory "raw/"))
+    (write-system-info (concatenate 'string directory "system-info.txt"))
+    (loop for (server workload) in cells
+          for step from 1
+          for cells-left = (- (length cells) step -1)
+          do (format t "~&[~D/~D] ~A, ~A: measuring ~D s (about ~A left)~%"
+                     step (length cells) (getf server :name) (workload-name workload) seconds
+                     (duration-text (* cells-left (+ seconds warm-seconds cell-overhead-seconds))))
+             (finish-output)
+             (let ((cell (measure-cell server workload :seconds seconds :warm-seconds warm-seconds
+                                                       :core core :directory directory)))
+               (when (eq server (first *servers*))
+                 (setf (gethash workload baseline-cells) cell))
+               (push (list server workload cell
+                           (ratio-to (getf cell :requests-per-second)
+                                  (getf (gethash workload baseline-cells) :requests-per-second)))
+                     results)))
+    (setf results (nreverse results))
+    (write-csv (concatenate 'string directory "results.csv") results)
+    (write-chart directory results workloads :requests-per-second
+                 "Requests/s (log scale); labels: ratio to Hunchentoot" "requests-per-second" baseline-cells)
+    (write-chart directory results workloads :p99-ms
+                 "p99 latency, ms (log scale, lower is better); labels: ratio to Hunchentoot" "p99-latency" baseline-cells)
+    (let ((table (summary-table results workloads baseline-cells)))
+      (with-open-file (out (concatenate 'string directory "summary.md") :direction :output)
+        (write-string table out))
+      (format t "~&~%Requests/s, ratio to ~A in this run (~A):~%~A~%Results: ~A~%"
+              (getf (first *servers*) :name) directory table directory))
+    directory))

@@ -1,0 +1,94 @@
+;;;; The Lisp benchmark servers.  bench/run starts each in its own process
+;;;; with SERVE; every one answers GET /yo with 200 text/plain "Hey!" and
+;;;; GET /bench-stats with counters the driver reads around a measurement.
+
+(defpackage #:hunchentoot-recycling-taskmaster-bench
+  (:use #:cl)
+  (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster))
+  (:export #:serve #:run-benchmarks))
+
+(in-package #:hunchentoot-recycling-taskmaster-bench)
+
+(defstruct (counters (:conc-name counter-))
+  (requests 0 :type sb-ext:word)
+  (peak-threads 0 :type fixnum))
+
+(defvar *counters* (make-counters))
+
+(defvar *handler-delay* nil
+  "Seconds each /yo request sleeps, or NIL for a handler that never calls SLEEP.")
+
+(defun hey ()
+  "The /yo handler body: count the request, sleep if the workload says so."
+  (sb-ext:atomic-incf (counter-requests *counters*))
+  (when *handler-delay*
+    (sleep *handler-delay*))
+  "Hey!")
+
+(defun stats-text (reset-peak-p)
+  "requests, bytes consed by the process, and the peak thread count since the
+last reset, on one line."
+  (prog1 (format nil "requests ~D consed ~D peak-threads ~D~%"
+                 (counter-requests *counters*) (sb-ext:get-bytes-consed)
+                 (counter-peak-threads *counters*))
+    (when reset-peak-p
+      (setf (counter-peak-threads *counters*) (length (sb-thread:list-all-threads))))))
+
+(defun sample-thread-count-forever ()
+  (loop
+    (let ((threads (length (sb-thread:list-all-threads))))
+      (when (> threads (counter-peak-threads *counters*))
+        (setf (counter-peak-threads *counters*) threads)))
+    (sleep 0.01)))
+
+;;; Hunchentoot and ours: the same handlers, only the acceptor class differs.
+
+(ht:define-easy-handler (yo :uri "/yo") ()
+  (setf (ht:content-type*) "text/plain")
+  (hey))
+
+(ht:define-easy-handler (bench-stats :uri "/bench-stats") (reset)
+  (setf (ht:content-type*) "text/plain")
+  (stats-text reset))
+
+(defun start-hunchentoot (port class &rest initargs)
+  (ht:start (apply #'make-instance class :address "127.0.0.1" :port port
+                                         :access-log-destination nil initargs)))
+
+;;; Portable AllegroServe.
+
+(defun start-aserve (port)
+  (flet ((publish-text (path function)
+           (net.aserve:publish
+            :path path :content-type "text/plain"
+            :function (lambda (request entity)
+                        (let ((text (funcall function request)))
+                          ;; A known length spares AllegroServe chunked output.
+                          (setf (net.aserve:request-reply-content-length request) (length text))
+                          (net.aserve:with-http-response (request entity)
+                            (net.aserve:with-http-body (request entity)
+                              (write-string text net.html.generator:*html-stream*))))))))
+    (publish-text "/yo" (lambda (request) (declare (ignore request)) (hey)))
+    (publish-text "/bench-stats"
+                  (lambda (request) (stats-text (net.aserve:request-query-value "reset" request)))))
+  (net.aserve:start :host "127.0.0.1" :port port))
+
+(defun start-server (kind port)
+  (ecase kind
+    (:hunchentoot (start-hunchentoot port 'ht:easy-acceptor))
+    (:parallel (start-hunchentoot port 'hrt:parallel-easy-acceptor))
+    (:parallel-standby-2x-cores
+     (start-hunchentoot port 'hrt:parallel-easy-acceptor
+                        :taskmaster (make-instance 'hrt:recycling-taskmaster
+                                                   :standby-thread-count (* 2 (cores)))))
+    (:aserve (start-aserve port))))
+
+(defun cores ()
+  (parse-integer (uiop:run-program '("nproc") :output :string) :junk-allowed t))
+
+(defun serve (kind port &key (delay-ms 0))
+  "Start the server KIND on 127.0.0.1:PORT and serve until killed."
+  (setf *handler-delay* (and (plusp delay-ms) (/ delay-ms 1000)))
+  (start-server kind port)
+  (bt:make-thread #'sample-thread-count-forever :name "bench thread-count sampler")
+  (loop (sleep 3600)))
