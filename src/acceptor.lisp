@@ -31,21 +31,20 @@ Takes the same :SSL-CERTIFICATE-FILE, :SSL-PRIVATEKEY-FILE and
   (let ((taskmaster (acceptor-taskmaster acceptor)))
     (and (typep taskmaster 'recycling-taskmaster) taskmaster)))
 
+(defmethod hunchentoot:start :around ((acceptor parallel-acceptor))
+  (catch 'acceptor-abandoned
+    (call-next-method))
+  acceptor)
+
 (defmethod hunchentoot:stop :around ((acceptor parallel-acceptor) &key soft)
   ;; HUNCHENTOOT:SHUTDOWN is not told whether the stop is soft.
   (when (hunchentoot:started-p acceptor)
     (let ((taskmaster (recycling-taskmaster-of acceptor)))
       (when taskmaster
         (setf (soft-stop-p taskmaster) soft)))
-    (call-next-method))
+    (catch 'acceptor-abandoned
+      (call-next-method)))
   acceptor)
-
-(defmethod hunchentoot:acceptor-persistent-connections-p :around ((acceptor parallel-acceptor))
-  ;; Read by Hunchentoot for every reply: answering "Connection: close"
-  ;; while connections wait in the queue hands their worker over to them.
-  (and (call-next-method)
-       (let ((taskmaster (recycling-taskmaster-of acceptor)))
-         (not (and taskmaster (yield-kept-alive-connections-p taskmaster))))))
 
 (defun abandon-pool (taskmaster)
   "End every thread of TASKMASTER by force and forget them."

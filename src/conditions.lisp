@@ -44,5 +44,7 @@ ABANDON-ACCEPTOR tears it down by force."
                      (corruption-description condition))))
   (:documentation "Signalled when the pool's threads do not behave as its
 bookkeeping says: workers that outlive HUNCHENTOOT:STOP's deadline, or
-workers still alive when the taskmaster is started again.  Signalled with an
-ABANDON restart that calls ABANDON-ACCEPTOR."))
+workers still alive when the taskmaster is started again.  Signalled with a
+restart named ABANDON-ACCEPTOR that calls that function and then returns from
+the HUNCHENTOOT:START or HUNCHENTOOT:STOP that found the fault, leaving the
+acceptor stopped."))

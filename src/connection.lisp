@@ -17,9 +17,15 @@
         (setf (chunga:chunked-stream-input-chunking-p stream) t
               (connection-stream) stream)))))
 
-(defun answer-request (acceptor socket headers-in method uri protocol)
+(defun answer-request (acceptor taskmaster socket headers-in method uri protocol)
+  "Answer one request.  True when the reply says \"Connection: close\" to hand
+this worker to a queued connection."
   (let ((hunchentoot:*reply* (make-instance (hunchentoot:acceptor-reply-class acceptor)))
-        (hunchentoot:*session* nil))
+        (hunchentoot:*session* nil)
+        (yield-p (yield-kept-alive-connections-p taskmaster)))
+    (when yield-p
+      ;; START-OUTPUT keeps a Connection header the reply already has.
+      (setf (hunchentoot:header-out :connection) "Close"))
     (use-chunked-input-if-asked acceptor headers-in)
     (call-with-request-counted
      acceptor
@@ -27,7 +33,8 @@
        (hunchentoot:process-request
         (make-acceptor-request acceptor socket headers-in (connection-stream)
                                method uri protocol))))
-    (finish-output (connection-stream))))
+    (finish-output (connection-stream))
+    yield-p))
 
 (defun serve-one-request (acceptor taskmaster worker socket)
   "Read one request from the connection and answer it.  True when the
@@ -37,11 +44,11 @@ connection stays open for another."
         (read-request-head (connection-stream))
       (when method
         (note-request-started worker)
-        (answer-request acceptor socket headers-in method uri protocol)
-        (note-request-finished taskmaster worker)
-        (setf (connection-stream)
-              (hunchentoot:reset-connection-stream acceptor (connection-stream)))
-        (not (finish-processing-connection-p))))))
+        (let ((yielded-p (answer-request acceptor taskmaster socket headers-in method uri protocol)))
+          (note-request-finished taskmaster worker)
+          (setf (connection-stream)
+                (hunchentoot:reset-connection-stream acceptor (connection-stream)))
+          (not (or yielded-p (finish-processing-connection-p))))))))
 
 (defun close-connection-streams (socket-stream)
   ;; The client may be gone: errors while flushing or closing mean nothing now.

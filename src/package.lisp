@@ -14,6 +14,7 @@
    #:*default-standby-thread-count*
    #:taskmaster-standby-thread-count
    #:taskmaster-thread-idle-timeout
+   #:taskmaster-stop-timeout
 
    ;; Observing a running pool.
    #:taskmaster-statistics

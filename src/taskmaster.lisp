@@ -27,13 +27,32 @@
   "The STANDBY-THREAD-COUNT of a RECYCLING-TASKMASTER made without one: how
 many workers wait on the listening socket when there is no load.")
 
+(defconstant +reclaim-idle-after-milliseconds+ 50
+  "How long a kept-alive connection must have waited for its next request
+before a saturated pool closes it for a queued connection.  Closing one that
+was idle for less would race the client's next request, which then fails.")
+
+(defconstant +yield-after-milliseconds+ 100
+  "How long a connection may wait in the queue before workers end their
+kept-alive connections for it.  Yielding at once would turn every reply
+into \"Connection: close\" while the pool is saturated.")
+
 (defconstant +overflow-poll-milliseconds+ 20
   "How long one overflow round of the thread-making thread waits for a
 connection before looking at the pool again.")
 
-(defconstant +stop-join-seconds+ 10
-  "How long HUNCHENTOOT:STOP waits for interrupted workers to end before it
-calls the pool corrupted.")
+(defgeneric taskmaster-standby-thread-count (taskmaster)
+  (:documentation "How many workers TASKMASTER keeps waiting on the listening
+socket when there is no load."))
+
+(defgeneric taskmaster-thread-idle-timeout (taskmaster)
+  (:documentation "Seconds a worker of TASKMASTER waits in accept(2) before
+it looks at the pool; a surplus worker that waited this long retires."))
+
+(defgeneric taskmaster-stop-timeout (taskmaster)
+  (:documentation "Seconds HUNCHENTOOT:STOP waits for TASKMASTER's workers to
+end, after asking them to, before it signals
+RECYCLING-TASKMASTER-CORRUPTED-ERROR."))
 
 (defstruct (worker (:constructor make-worker (taskmaster)))
   "One pooled thread.  STATE is one of :STARTING, :READY (between
@@ -45,6 +64,7 @@ connection), :IN-REQUEST, or :EXITING (counted out of the pool)."
   (thread nil)
   (state :starting :type keyword)
   (socket nil)
+  (idle-since 0 :type fixnum)
   (cut-requested-p nil)
   (requests-served 0 :type fixnum))
 
@@ -74,6 +94,11 @@ MAX-THREAD-COUNT workers is busy.  Hunchentoot's meaning.")
     :reader taskmaster-thread-idle-timeout
     :documentation "Seconds a worker waits in accept(2) before it looks at
 the pool; a surplus worker that waited this long retires.")
+   (stop-timeout
+    :initarg :stop-timeout
+    :reader taskmaster-stop-timeout
+    :documentation "Seconds HUNCHENTOOT:STOP waits for workers to end once
+asked, before it calls the pool corrupted.")
    (pool-lock :initform (bt:make-lock "recycling-taskmaster-pool") :reader pool-lock)
    (pool-changed
     :initform (bt:make-condition-variable) :reader pool-changed
@@ -97,7 +122,8 @@ accepts on behalf of a saturated pool.")
    (busy-count :initform 0 :accessor busy-count
                :documentation "Workers holding a connection.")
    (queued-connections :initform '() :accessor queued-connections
-                       :documentation "Connections accepted while the pool was saturated, oldest first.")
+                       :documentation "Connections accepted while the pool was saturated, oldest
+first, each as (socket . internal-real-time when queued).")
    (overflow-accepting-p :initform nil :accessor overflow-accepting-p
                          :documentation "True while the thread-making thread accepts for a
 saturated pool; workers then take from the queue instead of accepting.")
@@ -121,7 +147,8 @@ saturated pool; workers then take from the queue instead of accepting.")
    :standby-thread-count *default-standby-thread-count*
    :max-thread-count (default-max-thread-count)
    :max-accept-count (default-max-accept-count)
-   :thread-idle-timeout 1)
+   :thread-idle-timeout 1
+   :stop-timeout 10)
   (:documentation "A taskmaster whose pooled worker threads all block in
 accept(2) on the acceptor's listening socket and serve the connections they
 accept themselves: no listener thread hands sockets over.  The pool starts
@@ -145,16 +172,19 @@ served.  Needs a PARALLEL-ACCEPTOR."))
   (let ((standby (taskmaster-standby-thread-count taskmaster))
         (max-threads (hunchentoot:taskmaster-max-thread-count taskmaster))
         (max-accepts (hunchentoot:taskmaster-max-accept-count taskmaster))
-        (idle-timeout (taskmaster-thread-idle-timeout taskmaster)))
+        (idle-timeout (taskmaster-thread-idle-timeout taskmaster))
+        (stop-timeout (taskmaster-stop-timeout taskmaster)))
     ;; One standby worker at least: growth starts when an accepting worker
     ;; takes a connection, so a pool of none would never start.
     (check-count :standby-thread-count standby :minimum 1)
     (check-count :max-thread-count max-threads :minimum 1 :null-allowed t)
     (check-count :max-accept-count max-accepts :minimum 1 :null-allowed t)
-    (unless (and (realp idle-timeout) (plusp idle-timeout))
-      (error 'invalid-taskmaster-configuration
-             :initarg :thread-idle-timeout :value idle-timeout
-             :reason "must be a positive number of seconds"))
+    (loop for (initarg seconds) in `((:thread-idle-timeout ,idle-timeout)
+                                     (:stop-timeout ,stop-timeout))
+          unless (and (realp seconds) (plusp seconds))
+            do (error 'invalid-taskmaster-configuration
+                      :initarg initarg :value seconds
+                      :reason "must be a positive number of seconds"))
     (when (and max-threads (< max-threads standby))
       (error 'invalid-taskmaster-configuration
              :initarg :standby-thread-count :value standby
@@ -214,10 +244,17 @@ thread, asleep since it last found a free worker, must start accepting."
          (< (+ (busy-count taskmaster) (length (queued-connections taskmaster)))
             max-accepts))))
 
+(defun milliseconds->internal-units (milliseconds)
+  (floor (* milliseconds internal-time-units-per-second) 1000))
+
 (defun yield-kept-alive-connections-p (taskmaster)
   "True when a worker should close its kept-alive connection after the
-current reply, because connections are waiting for a worker."
-  (and (queued-connections taskmaster) t))
+current reply, because a connection has waited in the queue too long.  Read
+without the lock: a stale answer costs one reply's worth of waiting."
+  (let ((oldest (first (queued-connections taskmaster))))
+    (and oldest
+         (> (- (get-internal-real-time) (cdr oldest))
+            (milliseconds->internal-units +yield-after-milliseconds+)))))
 
 ;;; State changes of a worker.
 
@@ -232,7 +269,7 @@ queued connection, or :ACCEPT after counting WORKER as accepting."
     (without-interrupts
       (cond ((shutting-down-p taskmaster) :exit)
             ((queued-connections taskmaster)
-             (let ((socket (pop (queued-connections taskmaster))))
+             (let ((socket (car (pop (queued-connections taskmaster)))))
                (setf (worker-state worker) :connected
                      (worker-socket worker) socket)
                (incf (busy-count taskmaster))
@@ -276,6 +313,8 @@ only when an accepting worker takes a connection."
 (defun note-waiting-for-request (taskmaster worker first-request-p)
   "WORKER is about to wait for a request head.  Returns false when the
 taskmaster is stopping, and the connection should end instead."
+  (unless first-request-p
+    (setf (worker-idle-since worker) (get-internal-real-time)))
   (setf (worker-state worker) (if first-request-p :reading :idle))
   (memory-barrier)
   (not (or (shutting-down-p taskmaster)
@@ -330,16 +369,19 @@ counts, and ask for a replacement if the pool fell below standby."
 
 ;;; Ending a worker's connection from another thread.
 
-(defun claim-workers-to-cut (taskmaster states &key (limit nil))
+(defun claim-workers-to-cut (taskmaster states &key (limit nil) (idle-for 0))
   "Mark up to LIMIT (default all) workers in STATES, not marked already, as
-about to be cut, and return them.  Marking first means one interrupt per
+about to be cut, and return them.  IDLE-FOR (internal time units) further
+demands that long an idle wait.  Marking first means one interrupt per
 connection: interrupts sent faster than a worker unwinds nest until SBCL
 dies."
   (with-pool-state-change (taskmaster)
-    (loop for worker in (pool-workers taskmaster)
+    (loop with now = (get-internal-real-time)
+          for worker in (pool-workers taskmaster)
           while (or (null limit) (< (length chosen) limit))
           when (and (member (worker-state worker) states)
-                    (not (worker-cut-requested-p worker)))
+                    (not (worker-cut-requested-p worker))
+                    (>= (- now (worker-idle-since worker)) idle-for))
             collect (progn (setf (worker-cut-requested-p worker) t) worker) into chosen
           finally (return chosen))))
 
@@ -460,7 +502,8 @@ the worker is to end: the taskmaster is stopping or the worker is surplus."
         (cond ((null socket) nil)
               ((queue-has-room-p taskmaster)
                (setf (queued-connections taskmaster)
-                     (nconc (queued-connections taskmaster) (list socket)))
+                     (nconc (queued-connections taskmaster)
+                            (list (cons socket (get-internal-real-time)))))
                (incf (connections-accepted taskmaster))
                :queued)
               (t
@@ -468,21 +511,26 @@ the worker is to end: the taskmaster is stopping or the worker is surplus."
                :reject))
       (notify-pool-changed taskmaster))))
 
+(defun reclaim-idle-connection (taskmaster)
+  "Close one kept-alive connection that has waited long for its next request,
+so that its worker serves a queued connection."
+  (dolist (worker (claim-workers-to-cut
+                   taskmaster '(:idle) :limit 1
+                   :idle-for (milliseconds->internal-units +reclaim-idle-after-milliseconds+)))
+    (cut-connection worker '(:idle))))
+
 (defun accept-for-saturated-pool (taskmaster)
   "One overflow round: accept a connection the busy workers cannot, then
-queue it or answer it 503."
+queue it or answer it 503; while connections wait in the queue, reclaim an
+idle kept-alive connection for them."
   (let ((socket (and (wait-until-readable (taskmaster-listen-socket taskmaster)
                                           +overflow-poll-milliseconds+)
                      (accept-connection taskmaster))))
-    (case (note-overflow-accepted taskmaster socket)
-      (:queued
-       ;; A worker waiting on an idle kept-alive connection gives it up for
-       ;; the queued one.
-       (dolist (worker (claim-workers-to-cut taskmaster '(:idle) :limit 1))
-         (cut-connection worker '(:idle))))
-      (:reject
-       (hunchentoot:too-many-taskmaster-requests taskmaster socket)
-       (reject-connection socket)))))
+    (when (eq (note-overflow-accepted taskmaster socket) :reject)
+      (hunchentoot:too-many-taskmaster-requests taskmaster socket)
+      (reject-connection socket))
+    (when (queued-connections taskmaster)
+      (reclaim-idle-connection taskmaster))))
 
 (defun run-thread-maker (taskmaster)
   (loop
@@ -507,11 +555,15 @@ queue it or answer it 503."
 ;;; Starting and stopping.
 
 (defun signal-corrupted (taskmaster description)
+  "Signal RECYCLING-TASKMASTER-CORRUPTED-ERROR.  Its restart abandons the
+acceptor and leaves the START or STOP under way, whose :AROUND method on
+PARALLEL-ACCEPTOR catches ACCEPTOR-ABANDONED."
   (restart-case (error 'recycling-taskmaster-corrupted-error
                        :taskmaster taskmaster :description description)
-    (abandon ()
+    (abandon-acceptor ()
       :report "Abandon the acceptor: end every worker by force and close its socket."
-      (abandon-acceptor (hunchentoot:taskmaster-acceptor taskmaster)))))
+      (abandon-acceptor (hunchentoot:taskmaster-acceptor taskmaster))
+      (throw 'acceptor-abandoned nil))))
 
 (defun reset-pool (taskmaster)
   (with-pool-state-change (taskmaster)
@@ -565,7 +617,7 @@ queue it or answer it 503."
 
 (defun take-queued-connections (taskmaster)
   (with-pool-state-change (taskmaster)
-    (shiftf (queued-connections taskmaster) '())))
+    (mapcar #'car (shiftf (queued-connections taskmaster) '()))))
 
 (defun wait-for-pool-to-empty (taskmaster seconds)
   "True when every worker has ended within SECONDS."
@@ -591,12 +643,14 @@ connections 503, and join every thread."
       (dolist (worker (claim-workers-to-cut taskmaster states))
         (cut-connection worker states)))
     (mapc #'reject-connection (take-queued-connections taskmaster))
-    (unless (wait-for-pool-to-empty taskmaster +stop-join-seconds+)
-      (signal-corrupted taskmaster (format nil "~D worker threads did not end within ~D seconds of STOP."
-                                           (length (pool-workers taskmaster)) +stop-join-seconds+)))
-    (mapc #'bt:join-thread threads)
+    (unless (wait-for-pool-to-empty taskmaster (taskmaster-stop-timeout taskmaster))
+      (signal-corrupted taskmaster (format nil "~D worker threads did not end within ~A seconds of STOP."
+                                           (length (pool-workers taskmaster))
+                                           (taskmaster-stop-timeout taskmaster))))
+    (dolist (thread threads)
+      (join-thread-within thread (taskmaster-stop-timeout taskmaster)))
     (when (thread-maker taskmaster)
-      (bt:join-thread (shiftf (thread-maker taskmaster) nil)))
+      (join-thread-within (shiftf (thread-maker taskmaster) nil) (taskmaster-stop-timeout taskmaster)))
     taskmaster))
 
 ;;; Observing the pool.

@@ -213,3 +213,50 @@
       (bt:destroy-thread worker)
       (wait-until (lambda () (not (bt:thread-alive-p worker)))))
     (abandon-and-check-port server)))
+
+(ht:define-easy-handler (test-stubborn :uri "/test/stubborn") ()
+  ;; Its cleanup outlives the stop timeout of the test below.
+  (unwind-protect (sleep 10) (sleep 3)))
+
+(test stop.signals-corrupted-when-a-worker-outlives-the-stop-timeout
+  (with-thread-leak-check ()
+    (let ((server (pooled-server :standby-thread-count 2 :stop-timeout 1)))
+      (ht:start server)
+      (let ((client (in-thread (lambda () (http-get server "/test/stubborn")))))
+        (wait-until (lambda () (plusp (stats server :in-request-threads))))
+        (let ((condition nil))
+          (handler-bind ((recycling-taskmaster-corrupted-error
+                           (lambda (c)
+                             (setf condition c)
+                             (invoke-restart 'abandon-acceptor))))
+            (ht:stop server))
+          (is (typep condition 'recycling-taskmaster-corrupted-error))
+          (is (search "did not end" (princ-to-string condition))))
+        (is (not (ht:started-p server)))
+        (funcall client)))))
+
+(test api.every-exported-symbol-is-documented
+  (do-external-symbols (symbol '#:hunchentoot-recycling-taskmaster)
+    (is (or (documentation symbol 'function)
+            (documentation symbol 'variable)
+            (documentation symbol 'type))
+        "~S has no docstring" symbol)))
+
+(define-pool-test pool.queued-connection-reclaims-an-idle-kept-alive-worker (standby)
+  (with-server (server (pooled-server :standby-thread-count (min standby 2)
+                                      :max-thread-count 2 :max-accept-count 5))
+    (let ((kept-alive (list (connect server) (connect server)))
+          (late (connect server)))
+      (unwind-protect
+           (progn
+             (dolist (socket kept-alive)
+               (send-text socket (crlf-lines "GET /test/yo HTTP/1.1" "Host: localhost" ""))
+               (is (eql 200 (read-response socket))))
+             (is (= 2 (stats server :busy-threads)) "both workers hold an idle connection")
+             (send-text late (crlf-lines "GET /test/yo HTTP/1.1" "Host: localhost" ""))
+             (multiple-value-bind (status body) (read-response late)
+               (is (eql 200 status) "the queued connection is served within seconds")
+               (is (equal "Hey!" body)))
+             (is (= 1 (count-if #'closed-by-server-p kept-alive))
+                 "one idle kept-alive connection was closed for it"))
+        (mapc #'usocket:socket-close (cons late kept-alive))))))

@@ -116,6 +116,11 @@ SOCKET; NIL on EOF or timeout."
           (let ((byte (read-byte stream nil)))
             (if byte (vector-push-extend byte octets) (return nil)))))))
 
+(defun closed-by-server-p (socket)
+  "True when the server closes SOCKET within two seconds."
+  (and (usocket:wait-for-input socket :timeout 2 :ready-only t)
+       (null (ignore-errors (read-byte (usocket:socket-stream socket) nil)))))
+
 ;;; Certificates for the HTTPS tests, made with the openssl CLI.
 
 (defvar *certificate-directory* nil)
