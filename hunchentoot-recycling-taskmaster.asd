@@ -31,7 +31,9 @@ easy-acceptor and ours, and the thread-pool tests."
                (:file "http-behaviour")
                (:file "pool")
                (:file "overload"))
-  :perform (test-op (o c) (symbol-call :hunchentoot-recycling-taskmaster-test :run-tests)))
+  :perform (test-op (o c)
+             (unless (symbol-call :hunchentoot-recycling-taskmaster-test :run-tests)
+               (error "hunchentoot-recycling-taskmaster: tests failed"))))
 
 (defsystem "hunchentoot-recycling-taskmaster/bench"
   :description "Benchmark servers started in their own process by bench/run."

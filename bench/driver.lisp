@@ -78,9 +78,9 @@ http {
        :output log-file :error-output :output :if-output-exists :supersede)))
 
 (defun stop-server (process)
-  "End PROCESS by its PID: TERM, then KILL if it is still there after 5 s."
+  "End PROCESS by its PID: TERM, then KILL if it is still there after 2 s."
   (uiop:terminate-process process)
-  (loop repeat 50
+  (loop repeat 20
         while (uiop:process-alive-p process)
         do (sleep 0.1))
   (when (uiop:process-alive-p process)
@@ -314,7 +314,7 @@ directory."
          (directory (format nil "~A~A/" output-root (utc-timestamp)))
          (cells (loop for workload in workloads
                       append (loop for server in *servers* collect (list server workload))))
-         (cell-overhead-seconds 3)
+         (start-time (get-internal-real-time))
          (results '())
          (baseline-cells (make-hash-table :test #'equal)))
     (ensure-directories-exist (concatenate 'string directory "raw/"))
@@ -322,9 +322,13 @@ directory."
     (loop for (server workload) in cells
           for step from 1
           for cells-left = (- (length cells) step -1)
+          for seconds-per-cell = (if (= step 1)
+                                     (+ seconds warm-seconds 3)
+                                     (/ (- (get-internal-real-time) start-time)
+                                        internal-time-units-per-second (1- step)))
           do (format t "~&[~D/~D] ~A, ~A: measuring ~D s (about ~A left)~%"
                      step (length cells) (getf server :name) (workload-name workload) seconds
-                     (duration-text (* cells-left (+ seconds warm-seconds cell-overhead-seconds))))
+                     (duration-text (* cells-left seconds-per-cell)))
              (finish-output)
              (let ((cell (measure-cell server workload :seconds seconds :warm-seconds warm-seconds
                                                        :core core :directory directory)))

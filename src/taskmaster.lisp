@@ -37,6 +37,11 @@ was idle for less would race the client's next request, which then fails.")
 kept-alive connections for it.  Yielding at once would turn every reply
 into \"Connection: close\" while the pool is saturated.")
 
+(defconstant +queue-room-grace-milliseconds+ 50
+  "How long a connection accepted for a full queue waits for room before it
+is answered 503.  A client that reconnects as soon as it has its reply can
+arrive before the worker that sent the reply has let go of its connection.")
+
 (defconstant +overflow-poll-milliseconds+ 20
   "How long one overflow round of the thread-making thread waits for a
 connection before looking at the pool again.")
@@ -340,7 +345,10 @@ with POOL-LOCK held."
     (setf (worker-state worker) :ready
           (worker-socket worker) nil
           (worker-cut-requested-p worker) nil)
-    (decf (busy-count taskmaster))))
+    (decf (busy-count taskmaster))
+    (when (overflow-accepting-p taskmaster)
+      ;; The thread-making thread may be waiting for queue room.
+      (notify-pool-changed taskmaster))))
 
 (defun note-worker-exited (taskmaster worker)
   "WORKER's thread is ending, normally or not.  Undo whatever its state still
@@ -493,10 +501,29 @@ the worker is to end: the taskmaster is stopping or the worker is surplus."
                                           :error "could not make a worker thread: ~A" condition)
         (sleep 0.1)))))
 
+(defun wait-for-queue-room (taskmaster)
+  "While some worker is answering a request, and so may be about to let go
+of its connection, wait up to +QUEUE-ROOM-GRACE-MILLISECONDS+ for room in
+the queue.  Call with POOL-LOCK held.  True when there is room."
+  (loop with deadline = (+ (get-internal-real-time)
+                           (milliseconds->internal-units +queue-room-grace-milliseconds+))
+        until (queue-has-room-p taskmaster)
+        do (let ((left (- deadline (get-internal-real-time))))
+             (when (or (<= left 0)
+                       (shutting-down-p taskmaster)
+                       (notany (lambda (worker) (member (worker-state worker) '(:in-request :connected)))
+                               (pool-workers taskmaster)))
+               (return nil))
+             (bt:condition-wait (pool-changed taskmaster) (pool-lock taskmaster)
+                                :timeout (/ left internal-time-units-per-second)))
+        finally (return t)))
+
 (defun note-overflow-accepted (taskmaster socket)
   "End an overflow round that accepted SOCKET (or NIL).  Returns :QUEUED,
 :REJECT, or NIL."
-  (with-pool-state-change (taskmaster)
+  (with-pool-lock (taskmaster)
+    (when socket
+      (wait-for-queue-room taskmaster))
     (setf (overflow-accepting-p taskmaster) nil)
     (multiple-value-prog1
         (cond ((null socket) nil)
