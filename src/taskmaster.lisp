@@ -395,14 +395,15 @@ dies."
 
 (defun cut-connection (worker states)
   "Make WORKER drop its connection if, when the interrupt runs, it is in one
-of STATES."
+of STATES.  If it has moved on, it becomes eligible to be cut again."
   (let ((thread (worker-thread worker)))
     (when thread
       (ignore-errors
        (bt:interrupt-thread thread
                             (lambda ()
-                              (when (member (worker-state worker) states)
-                                (throw 'connection-cut nil))))))))
+                              (if (member (worker-state worker) states)
+                                  (throw 'connection-cut nil)
+                                  (setf (worker-cut-requested-p worker) nil))))))))
 
 ;;; The worker thread.
 
