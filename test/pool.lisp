@@ -260,3 +260,17 @@
              (is (= 1 (count-if #'closed-by-server-p kept-alive))
                  "one idle kept-alive connection was closed for it"))
         (mapc #'usocket:socket-close (cons late kept-alive))))))
+
+(test statistics.counts-what-happened
+  (with-thread-leak-check ()
+    (with-server (server (pooled-server :standby-thread-count 2))
+      (dotimes (i 5) (http-get server "/test/yo"))
+      (let ((statistics (taskmaster-statistics server)))
+        (dolist (key '(:threads :busy-threads :accepting-threads :in-request-threads
+                       :queued-connections :connections-accepted :connections-rejected
+                       :requests-served :threads-created :threads-retired :peak-threads))
+          (is (integerp (getf statistics key)) "~S is missing" key))
+        (is (= 5 (getf statistics :requests-served)))
+        (is (= 5 (getf statistics :connections-accepted)) "drakma closes each connection")
+        (is (= 0 (getf statistics :connections-rejected)))
+        (is (<= 2 (getf statistics :threads-created)))))))
