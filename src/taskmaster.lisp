@@ -37,7 +37,7 @@ was idle for less would race the client's next request, which then fails.")
 kept-alive connections for it.  Yielding at once would turn every reply
 into \"Connection: close\" while the pool is saturated.")
 
-(defconstant +queue-room-grace-milliseconds+ 50
+(defconstant +queue-room-grace-milliseconds+ 5
   "How long a connection accepted for a full queue waits for room before it
 is answered 503.  A client that reconnects as soon as it has its reply can
 arrive before the worker that sent the reply has let go of its connection.")
