@@ -71,7 +71,12 @@ last reset, on one line."
     (publish-text "/yo" (lambda (request) (declare (ignore request)) (hey)))
     (publish-text "/bench-stats"
                   (lambda (request) (stats-text (net.aserve:request-query-value "reset" request)))))
-  (net.aserve:start :host "127.0.0.1" :port port))
+  ;; AllegroServe exports no switch for its access log; every server here
+  ;; runs with access logs off.
+  (setf net.aserve::*enable-logging* nil)
+  ;; Its default of 5 worker threads pauses a second whenever all are busy;
+  ;; 100 is the thread budget Hunchentoot's default taskmaster has.
+  (net.aserve:start :host "127.0.0.1" :port port :listeners 100))
 
 (defun start-server (kind port)
   (ecase kind
