@@ -272,6 +272,9 @@ queued connection, or :ACCEPT after counting WORKER as accepting."
                      (null (queued-connections taskmaster)))
           do (bt:condition-wait (pool-changed taskmaster) (pool-lock taskmaster)))
     (without-interrupts
+      (when (eq (worker-state worker) :starting)
+        ;; START waits for every standby worker to get here.
+        (notify-pool-changed taskmaster))
       (cond ((shutting-down-p taskmaster) :exit)
             ((queued-connections taskmaster)
              (let ((socket (car (pop (queued-connections taskmaster)))))
@@ -601,10 +604,18 @@ PARALLEL-ACCEPTOR catches ACCEPTOR-ABANDONED."
           (queued-connections taskmaster) '()
           (pending-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster))))
 
+(defun standby-threads-started-p (taskmaster)
+  "True when the standby workers exist and each has begun taking connections.
+Not that they all accept: under load some already serve."
+  (and (zerop (pending-thread-count taskmaster))
+       (>= (pool-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster))
+       (notany (lambda (worker) (eq (worker-state worker) :starting))
+               (pool-workers taskmaster))))
+
 (defun wait-for-standby-threads (taskmaster)
   (let ((deadline (+ (get-internal-real-time) (* 10 internal-time-units-per-second))))
     (with-pool-lock (taskmaster)
-      (loop until (>= (accepting-count taskmaster) (taskmaster-standby-thread-count taskmaster))
+      (loop until (standby-threads-started-p taskmaster)
             do (when (>= (get-internal-real-time) deadline)
                  (return nil))
                (bt:condition-wait (pool-changed taskmaster) (pool-lock taskmaster) :timeout 0.1)

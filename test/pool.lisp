@@ -274,3 +274,40 @@
         (is (= 5 (getf statistics :connections-accepted)) "drakma closes each connection")
         (is (= 0 (getf statistics :connections-rejected)))
         (is (<= 2 (getf statistics :threads-created)))))))
+
+(defun keep-alive-client (server deadline)
+  "Connect to SERVER as soon as it listens, then send requests on the one
+connection until DEADLINE (internal real time).  Counts the 200 replies."
+  (let ((socket (loop while (< (get-internal-real-time) deadline)
+                      thereis (ignore-errors (connect server))
+                      do (sleep 0.01))))
+    (unwind-protect
+         (loop while (and socket (< (get-internal-real-time) deadline))
+               count (handler-case
+                         (progn
+                           (send-text socket (crlf-lines "GET /test/yo HTTP/1.1" "Host: localhost" ""))
+                           (eql 200 (read-response socket)))
+                       (error () (loop-finish))))
+      (when socket (ignore-errors (usocket:socket-close socket))))))
+
+(test pool.starts-under-immediate-load
+  ;; Clients already hammering the port when START runs keep the standby
+  ;; workers busy; START must not wait for them all to be idle at once.
+  (with-thread-leak-check ()
+    (let* ((port (free-port))
+           (server (make-instance 'parallel-easy-acceptor
+                                  :port port :address "127.0.0.1"
+                                  :access-log-destination nil :message-log-destination nil
+                                  :taskmaster (make-instance 'recycling-taskmaster
+                                                             :standby-thread-count 4)))
+           (deadline (+ (get-internal-real-time) (* 12 internal-time-units-per-second)))
+           (clients (loop repeat 8
+                          collect (in-thread (lambda () (keep-alive-client server deadline))))))
+      (unwind-protect
+           (progn
+             (finishes (ht:start server))
+             (is (ht:started-p server))
+             (is (every #'plusp (mapcar (lambda (join) (first (funcall join))) clients))
+                 "every client was served"))
+        (when (ht:started-p server)
+          (ht:stop server))))))
