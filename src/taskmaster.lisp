@@ -7,7 +7,9 @@
 ;;;; is one small NOTE-... or CLAIM-... function that takes the lock itself,
 ;;;; with interrupts deferred, so that HUNCHENTOOT:STOP's interrupts never
 ;;;; see half a change.  The lock is never held across socket I/O, thread
-;;;; creation or joining.
+;;;; creation or joining.  Waits on POOL-CHANGED hold it as condition
+;;;; waits do, with interrupts allowed: a waiting worker is never in a
+;;;; state that is cut, and nothing interrupts the thread-making thread.
 ;;;;
 ;;;; Per request, a worker takes no lock: it only writes its own STATE (one
 ;;;; word) and REQUESTS-SERVED.  Between requests it writes STATE, then,
