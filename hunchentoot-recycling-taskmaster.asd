@@ -1,22 +1,25 @@
 ;;;; ASDF systems: the library, its tests, its benchmarks.
 
 (defsystem "hunchentoot-recycling-taskmaster"
-  :description "A Hunchentoot taskmaster whose pooled worker threads accept
-connections in parallel on the shared listening socket, with acceptors that
-use it by default."
+  :description "A Hunchentoot taskmaster whose pooled worker threads share the
+listening socket and an epoll readiness set of the connections waiting for
+requests, with acceptors that use it by default."
   :license "BSD-2-Clause"
   :version "0.1.0"
   :depends-on ("hunchentoot" "usocket" "bordeaux-threads" "chunga" "cl-ppcre"
-               (:feature :sbcl "sb-bsd-sockets"))
+               "flexi-streams" (:feature :sbcl "sb-bsd-sockets"))
   :pathname "src/"
   :serial t
   :components ((:file "package")
                (:file "sbcl")
                (:file "hunchentoot-internals")
                (:file "conditions")
+               (:file "request-head")
+               (:file "readiness-set")
                (:file "taskmaster")
                (:file "acceptor")
-               (:file "connection"))
+               (:file "connection")
+               (:file "readiness-engine"))
   :in-order-to ((test-op (test-op "hunchentoot-recycling-taskmaster/test"))))
 
 (defsystem "hunchentoot-recycling-taskmaster/test"

@@ -3,13 +3,74 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
+(defgeneric acceptor-connection-engine (acceptor)
+  (:documentation "How ACCEPTOR's workers read requests: :READINESS-SET or :BLOCKING."))
+
+(defgeneric acceptor-header-timeout (acceptor)
+  (:documentation "Seconds a request head may take to arrive before the
+:READINESS-SET engine answers 408."))
+
+(defgeneric acceptor-keep-alive-timeout (acceptor)
+  (:documentation "Seconds the :READINESS-SET engine keeps an idle
+kept-alive connection open."))
+
+(defgeneric acceptor-max-header-bytes (acceptor)
+  (:documentation "The largest header block the :READINESS-SET engine
+answers; a larger one gets 431."))
+
 (defclass parallel-acceptor (hunchentoot:acceptor)
-  ()
+  ((connection-engine
+    :initarg :connection-engine :reader acceptor-connection-engine
+    :documentation ":READINESS-SET (the default): connections waiting for a
+request are parked in an epoll set and hold no thread; workers wait on the
+set and serve whatever is ready.  :BLOCKING: each worker holds its
+connection from accept to close, reading with Hunchentoot's own request
+reader, as Hunchentoot's taskmasters do (HEADER-TIMEOUT, KEEP-ALIVE-TIMEOUT
+and MAX-HEADER-BYTES do not apply; READ-TIMEOUT does).")
+   (header-timeout
+    :initarg :header-timeout :reader acceptor-header-timeout
+    :documentation "Seconds a request head (request line and headers) may
+take to arrive, counted from the connection's accept or from the head's
+first byte; then the client gets 408 and the connection is closed.")
+   (keep-alive-timeout
+    :initarg :keep-alive-timeout :reader acceptor-keep-alive-timeout
+    :documentation "Seconds a kept-alive connection may wait for its next
+request before it is closed.")
+   (max-header-bytes
+    :initarg :max-header-bytes :reader acceptor-max-header-bytes
+    :documentation "The largest header block (the lines after the request
+line) answered; a larger one gets 431.  A request line over 8 KiB gets 414,
+more than 100 header lines 431."))
   (:default-initargs
-   :taskmaster (make-instance 'recycling-taskmaster))
+   :taskmaster (make-instance 'recycling-taskmaster)
+   :connection-engine :readiness-set
+   :header-timeout 10
+   :keep-alive-timeout 5
+   :max-header-bytes 16384)
   (:documentation "HUNCHENTOOT:ACCEPTOR served by a RECYCLING-TASKMASTER:
-pooled worker threads accept in parallel on the listening socket.  Give
-:TASKMASTER (MAKE-INSTANCE 'RECYCLING-TASKMASTER ...) to size the pool."))
+pooled worker threads share the listening socket and the connections that
+wait for requests.  Give :TASKMASTER (MAKE-INSTANCE 'RECYCLING-TASKMASTER
+...) to size the pool.  HUNCHENTOOT:ACCEPTOR-READ-TIMEOUT still bounds each
+read of a request body and HUNCHENTOOT:ACCEPTOR-WRITE-TIMEOUT each write of
+a reply; with the :READINESS-SET engine, HEADER-TIMEOUT and
+KEEP-ALIVE-TIMEOUT bound the waits between requests."))
+
+(defmethod initialize-instance :after ((acceptor parallel-acceptor) &key)
+  (unless (member (acceptor-connection-engine acceptor) '(:readiness-set :blocking))
+    (error 'invalid-acceptor-configuration
+           :initarg :connection-engine :value (acceptor-connection-engine acceptor)
+           :reason "must be :READINESS-SET or :BLOCKING"))
+  (loop for (initarg seconds) in `((:header-timeout ,(acceptor-header-timeout acceptor))
+                                   (:keep-alive-timeout ,(acceptor-keep-alive-timeout acceptor)))
+        unless (and (realp seconds) (plusp seconds))
+          do (error 'invalid-acceptor-configuration
+                    :initarg initarg :value seconds
+                    :reason "must be a positive number of seconds"))
+  (let ((bytes (acceptor-max-header-bytes acceptor)))
+    (unless (and (integerp bytes) (<= 1024 bytes (* 1024 1024)))
+      (error 'invalid-acceptor-configuration
+             :initarg :max-header-bytes :value bytes
+             :reason "must be an integer from 1024 to 1048576"))))
 
 (defclass parallel-easy-acceptor (parallel-acceptor hunchentoot:easy-acceptor)
   ()
@@ -63,6 +124,10 @@ Takes the same :SSL-CERTIFICATE-FILE, :SSL-PRIVATEKEY-FILE and
         (ignore-errors (usocket:socket-close (worker-socket worker))))))
   (dolist (socket (take-queued-connections taskmaster))
     (ignore-errors (usocket:socket-close socket)))
+  (let ((set (taskmaster-readiness-set taskmaster)))
+    (when set
+      (close-every-connection set)
+      (retire-readiness-set taskmaster)))
   (with-pool-state-change (taskmaster)
     (setf (pool-workers taskmaster) '()
           (thread-maker taskmaster) nil

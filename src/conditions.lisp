@@ -4,7 +4,7 @@
   ()
   (:documentation "Superclass of every error this library signals."))
 
-(define-condition invalid-taskmaster-configuration (recycling-taskmaster-error)
+(define-condition invalid-configuration (recycling-taskmaster-error)
   ((initarg :initarg :initarg :reader invalid-configuration-initarg
             :documentation "The initarg whose value is impossible.")
    (value :initarg :value :reader invalid-configuration-value
@@ -12,14 +12,34 @@
    (reason :initarg :reason :reader invalid-configuration-reason
            :documentation "Why the value is impossible, as a sentence."))
   (:report (lambda (condition stream)
-             (format stream "Invalid RECYCLING-TASKMASTER configuration: ~S ~S: ~A"
+             (format stream "Invalid ~A: ~S ~S: ~A"
+                     (configuration-subject condition)
                      (invalid-configuration-initarg condition)
                      (invalid-configuration-value condition)
                      (invalid-configuration-reason condition))))
+  (:documentation "Signalled by MAKE-INSTANCE when an initarg's value cannot work."))
+
+(defgeneric configuration-subject (condition)
+  (:documentation "What CONDITION found misconfigured, for its report."))
+
+(define-condition invalid-taskmaster-configuration (invalid-configuration)
+  ()
   (:documentation "Signalled by MAKE-INSTANCE of RECYCLING-TASKMASTER when the
 thread counts cannot work together: a negative or non-integer count, a
 standby count above MAX-THREAD-COUNT, or MAX-ACCEPT-COUNT not above
 MAX-THREAD-COUNT."))
+
+(defmethod configuration-subject ((condition invalid-taskmaster-configuration))
+  "RECYCLING-TASKMASTER configuration")
+
+(define-condition invalid-acceptor-configuration (invalid-configuration)
+  ()
+  (:documentation "Signalled by MAKE-INSTANCE of a PARALLEL-ACCEPTOR for an
+unknown :CONNECTION-ENGINE, a timeout that is not a positive number of
+seconds, or an impossible :MAX-HEADER-BYTES."))
+
+(defmethod configuration-subject ((condition invalid-acceptor-configuration))
+  "PARALLEL-ACCEPTOR configuration")
 
 (define-condition acceptor-not-parallel-error (recycling-taskmaster-error)
   ((acceptor :initarg :acceptor :reader error-acceptor

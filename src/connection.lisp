@@ -13,9 +13,9 @@
       (unless (hunchentoot:acceptor-input-chunking-p acceptor)
         (error "The client sent a chunked request body, but ~S does not accept chunked input."
                acceptor))
-      (let ((stream (chunga:make-chunked-stream (connection-stream))))
+      (let ((stream (chunga:make-chunked-stream (current-connection-stream))))
         (setf (chunga:chunked-stream-input-chunking-p stream) t
-              (connection-stream) stream)))))
+              (current-connection-stream) stream)))))
 
 (defun answer-request (acceptor taskmaster socket headers-in method uri protocol)
   "Answer one request.  True when the reply says \"Connection: close\" to hand
@@ -31,9 +31,9 @@ this worker to a queued connection."
      acceptor
      (lambda ()
        (hunchentoot:process-request
-        (make-acceptor-request acceptor socket headers-in (connection-stream)
+        (make-acceptor-request acceptor socket headers-in (current-connection-stream)
                                method uri protocol))))
-    (finish-output (connection-stream))
+    (finish-output (current-connection-stream))
     yield-p))
 
 (defun serve-one-request (acceptor taskmaster worker socket)
@@ -41,13 +41,13 @@ this worker to a queued connection."
 connection stays open for another."
   (with-request-bindings ()
     (multiple-value-bind (headers-in method uri protocol)
-        (read-request-head (connection-stream))
+        (read-request-head (current-connection-stream))
       (when method
         (note-request-started worker)
         (let ((yielded-p (answer-request acceptor taskmaster socket headers-in method uri protocol)))
           (note-request-finished taskmaster worker)
-          (setf (connection-stream)
-                (hunchentoot:reset-connection-stream acceptor (connection-stream)))
+          (setf (current-connection-stream)
+                (hunchentoot:reset-connection-stream acceptor (current-connection-stream)))
           (not (or yielded-p (finish-processing-connection-p))))))))
 
 (defun close-connection-streams (socket-stream)
@@ -55,7 +55,7 @@ connection stays open for another."
   (flet ((close-quietly (stream)
            (ignore-errors (finish-output stream))
            (ignore-errors (close stream :abort t))))
-    (let ((stream (connection-stream)))
+    (let ((stream (current-connection-stream)))
       (when (and stream (not (eq stream socket-stream)))
         (close-quietly stream)))
     (close-quietly socket-stream)))
@@ -70,7 +70,7 @@ connection stays open for another."
           (with-connection-bindings ()
             (unwind-protect
                  (when (note-waiting-for-request taskmaster worker t)
-                   (setf (connection-stream)
+                   (setf (current-connection-stream)
                          (hunchentoot:initialize-connection-stream acceptor socket-stream))
                    (loop while (and (serve-one-request acceptor taskmaster worker socket)
                                     (note-waiting-for-request taskmaster worker nil))))

@@ -48,10 +48,10 @@ START-OUTPUT clears it when the reply keeps the connection alive."
   `(let ((hunchentoot::*finish-processing-socket* t))
      ,@body))
 
-(defun connection-stream ()
+(defun current-connection-stream ()
   hunchentoot::*hunchentoot-stream*)
 
-(defun (setf connection-stream) (stream)
+(defun (setf current-connection-stream) (stream)
   (setf hunchentoot::*hunchentoot-stream* stream))
 
 (defun close-connection-stream-p ()

@@ -9,6 +9,13 @@
    #:parallel-easy-ssl-acceptor
    #:abandon-acceptor
 
+   ;; How a parallel acceptor reads requests: the connection engine and
+   ;; the limits the readiness-set engine enforces on request heads.
+   #:acceptor-connection-engine
+   #:acceptor-header-timeout
+   #:acceptor-keep-alive-timeout
+   #:acceptor-max-header-bytes
+
    ;; The taskmaster and its configuration.
    #:recycling-taskmaster
    #:*default-standby-thread-count*
@@ -22,5 +29,7 @@
    ;; Conditions.
    #:recycling-taskmaster-error
    #:recycling-taskmaster-corrupted-error
+   #:invalid-configuration
    #:invalid-taskmaster-configuration
+   #:invalid-acceptor-configuration
    #:acceptor-not-parallel-error))

@@ -65,3 +65,156 @@ can only wake one."
   "Order this thread's earlier writes before its later reads, which x86-64
 does not do by itself."
   `(sb-thread:barrier (:memory)))
+
+;;; The readiness set: Linux epoll(7), and an eventfd(2) to wake its waiters.
+
+(defconstant +epoll-cloexec+ #o2000000)
+(defconstant +epoll-ctl-add+ 1)
+(defconstant +epoll-ctl-del+ 2)
+(defconstant +epoll-ctl-mod+ 3)
+(defconstant +epollin+ #x001)
+(defconstant +epollrdhup+ #x2000)
+(defconstant +epolloneshot+ (ash 1 30))
+(defconstant +epoll-event-bytes+ 12
+  "struct epoll_event is packed on x86-64: events (uint32) at 0, data (uint64) at 4.")
+(defconstant +eintr+ 4)
+(defconstant +eagain+ 11)
+(defconstant +msg-dontwait+ #x40)
+(defconstant +msg-nosignal+ #x4000)
+(defconstant +efd-cloexec+ #o2000000)
+
+(defun foreign-error (function)
+  (error "~A failed: errno ~D" function (sb-alien:get-errno)))
+
+(defun make-epoll-set ()
+  "A new epoll(7) instance; its file descriptor."
+  (let ((fd (sb-alien:alien-funcall
+             (sb-alien:extern-alien "epoll_create1" (function sb-alien:int sb-alien:int))
+             +epoll-cloexec+)))
+    (when (minusp fd) (foreign-error "epoll_create1"))
+    fd))
+
+(defun epoll-control (epoll-fd operation fd token events)
+  "epoll_ctl(2).  True on success; false when FD is gone (EBADF, ENOENT)."
+  (sb-alien:with-alien ((event (array (sb-alien:unsigned 8) #.+epoll-event-bytes+)))
+    (let ((sap (sb-alien:alien-sap event)))
+      (setf (sb-sys:sap-ref-32 sap 0) events
+            (sb-sys:sap-ref-64 sap 4) token)
+      (zerop (sb-alien:alien-funcall
+              (sb-alien:extern-alien "epoll_ctl" (function sb-alien:int sb-alien:int sb-alien:int
+                                                           sb-alien:int sb-sys:system-area-pointer))
+              epoll-fd operation fd sap)))))
+
+(defun epoll-watch (epoll-fd fd token &key one-shot)
+  "Add FD to the set: readable (or hung up) reports TOKEN.  ONE-SHOT disarms
+FD once it has been reported to one waiter, until EPOLL-REARM."
+  (epoll-control epoll-fd +epoll-ctl-add+ fd token
+                 (logior +epollin+ +epollrdhup+ (if one-shot +epolloneshot+ 0))))
+
+(defun epoll-rearm (epoll-fd fd token)
+  "Arm a one-shot FD again."
+  (epoll-control epoll-fd +epoll-ctl-mod+ fd token
+                 (logior +epollin+ +epollrdhup+ +epolloneshot+)))
+
+(defun epoll-forget (epoll-fd fd)
+  (epoll-control epoll-fd +epoll-ctl-del+ fd 0 0))
+
+(defun epoll-wait-one (epoll-fd milliseconds)
+  "Wait up to MILLISECONDS for one ready descriptor: its token, :TIMEOUT, or
+:INTERRUPTED (EINTR: SBCL stops every thread with a signal for garbage
+collection several times a second, and interrupts arrive the same way)."
+  (sb-alien:with-alien ((event (array (sb-alien:unsigned 8) #.+epoll-event-bytes+)))
+    (let* ((sap (sb-alien:alien-sap event))
+           (count (sb-alien:alien-funcall
+                   (sb-alien:extern-alien "epoll_wait" (function sb-alien:int sb-alien:int
+                                                                 sb-sys:system-area-pointer
+                                                                 sb-alien:int sb-alien:int))
+                   epoll-fd sap 1 milliseconds)))
+      (cond ((= count 1) (sb-sys:sap-ref-64 sap 4))
+            ((zerop count) :timeout)
+            ((= (sb-alien:get-errno) +eintr+) :interrupted)
+            (t (foreign-error "epoll_wait"))))))
+
+(defun make-wakeup-fd ()
+  "An eventfd(2): once signalled it stays readable, so, watched level-triggered,
+it wakes every waiter of an epoll set, now and later."
+  (let ((fd (sb-alien:alien-funcall
+             (sb-alien:extern-alien "eventfd" (function sb-alien:int sb-alien:unsigned sb-alien:int))
+             0 +efd-cloexec+)))
+    (when (minusp fd) (foreign-error "eventfd"))
+    fd))
+
+(defun signal-wakeup-fd (fd)
+  (sb-alien:with-alien ((value (sb-alien:unsigned 64)))
+    (setf value 1)
+    (sb-unix:unix-write fd (sb-alien:alien-sap (sb-alien:addr value)) 0 8)))
+
+(defun close-fd (fd)
+  (sb-unix:unix-close fd))
+
+(defun set-non-blocking (usocket)
+  "Make accept(2) on the listening USOCKET return at once when nothing is
+pending (USOCKET:SOCKET-ACCEPT then returns NIL).  Accepted sockets do not
+inherit the flag."
+  (setf (sb-bsd-sockets:non-blocking-mode (usocket:socket usocket)) t))
+
+(defun receive-available (fd buffer start end)
+  "recv(2) without waiting into BUFFER from START below END.  The count read,
+0 at end of file, :WOULD-BLOCK when nothing has arrived, or :ERROR (the peer
+reset the connection, or it is otherwise unusable)."
+  (declare (type (simple-array (unsigned-byte 8) (*)) buffer) (type fixnum start end))
+  (sb-sys:with-pinned-objects (buffer)
+    (loop
+      (let ((count (sb-alien:alien-funcall
+                    (sb-alien:extern-alien "recv" (function sb-alien:long sb-alien:int
+                                                            sb-sys:system-area-pointer
+                                                            sb-alien:unsigned-long sb-alien:int))
+                    fd (sb-sys:sap+ (sb-sys:vector-sap buffer) start) (- end start)
+                    +msg-dontwait+)))
+        (cond ((>= count 0) (return count))
+              (t (let ((errno (sb-alien:get-errno)))
+                   (cond ((= errno +eintr+))
+                         ((= errno +eagain+) (return :would-block))
+                         (t (return :error))))))))))
+
+(defun send-without-waiting (fd octets)
+  "send(2) OCTETS without waiting and without SIGPIPE; what the socket buffer
+does not take is dropped.  For short replies on a connection about to close."
+  (declare (type (simple-array (unsigned-byte 8) (*)) octets))
+  (sb-sys:with-pinned-objects (octets)
+    (sb-alien:alien-funcall
+     (sb-alien:extern-alien "send" (function sb-alien:long sb-alien:int sb-sys:system-area-pointer
+                                             sb-alien:unsigned-long sb-alien:int))
+     fd (sb-sys:vector-sap octets) (length octets) (logior +msg-dontwait+ +msg-nosignal+))))
+
+(defun wait-until-fd-readable (fd milliseconds)
+  "True when FD has input (or EOF) within MILLISECONDS."
+  (sb-unix:unix-simple-poll fd :input milliseconds))
+
+;;; Atomic operations on structure slots.
+
+(defmacro atomic-increment (place)
+  "Add one to PLACE, a structure slot of type WORD; returns the old value."
+  `(sb-ext:atomic-incf ,place))
+
+(defmacro atomic-decrement (place)
+  "Subtract one from PLACE, a structure slot of type WORD; returns the old value."
+  `(sb-ext:atomic-decf ,place))
+
+(defmacro compare-and-swap (place old new)
+  "Set PLACE, a structure slot of type T, to NEW if it is EQ to OLD.  True when it was."
+  (let ((old-value (gensym "OLD")))
+    `(let ((,old-value ,old))
+       (eq ,old-value (sb-ext:compare-and-swap ,place ,old-value ,new)))))
+
+(deftype word () 'sb-ext:word)
+
+(defconstant +msg-peek+ 2)
+
+(defun end-of-file-p (fd)
+  "True when FD's peer has closed the connection and no byte remains unread."
+  (sb-alien:with-alien ((octet (sb-alien:unsigned 8)))
+    (zerop (sb-alien:alien-funcall
+            (sb-alien:extern-alien "recv" (function sb-alien:long sb-alien:int sb-sys:system-area-pointer
+                                                    sb-alien:unsigned-long sb-alien:int))
+            fd (sb-alien:alien-sap (sb-alien:addr octet)) 1 (logior +msg-peek+ +msg-dontwait+)))))

@@ -63,17 +63,27 @@ RECYCLING-TASKMASTER-CORRUPTED-ERROR."))
 
 (defstruct (worker (:constructor make-worker (taskmaster)))
   "One pooled thread.  STATE is one of :STARTING, :READY (between
-connections), :ACCEPTING (in accept(2)), :CONNECTED (holds a connection, not
-yet reading), :READING (waiting for the first request head of a
-connection), :IDLE (waiting for a later request on a kept-alive
-connection), :IN-REQUEST, or :EXITING (counted out of the pool)."
+connections), :EXITING (counted out of the pool), :IN-REQUEST (from a
+complete head to the reply sent), and, with the blocking engine, :ACCEPTING
+(in accept(2)), :CONNECTED (holds a connection, not yet reading), :READING
+(waiting for the first request head of a connection), :IDLE (waiting for a
+later request on a kept-alive connection); with the readiness-set engine,
+:WAITING (in epoll_wait), :HANDSHAKING (starting TLS on a new connection),
+:SERVING (reading heads that have arrived)."
   (taskmaster nil :read-only t)
+  ;; The readiness-set engine reads request heads into this octet vector.
+  (head-buffer nil)
   (thread nil)
   (state :starting :type keyword)
   (socket nil)
   (idle-since 0 :type fixnum)
   (cut-requested-p nil)
   (requests-served 0 :type fixnum))
+
+(defmethod print-object ((worker worker) stream)
+  ;; The default would print the head buffer, 32 KiB of octets.
+  (print-unreadable-object (worker stream :type t :identity t)
+    (format stream "~S, ~D requests" (worker-state worker) (worker-requests-served worker))))
 
 (defvar *worker* nil
   "The WORKER record of the current thread; NIL outside worker threads.")
@@ -106,6 +116,10 @@ the pool; a surplus worker that waited this long retires.")
     :reader taskmaster-stop-timeout
     :documentation "Seconds HUNCHENTOOT:STOP waits for workers to end once
 asked, before it calls the pool corrupted.")
+   (readiness-set
+    :initform nil :accessor taskmaster-readiness-set
+    :documentation "The READINESS-SET the workers wait on while the acceptor
+runs with the :READINESS-SET engine; NIL with the blocking engine.")
    (pool-lock :initform (bt:make-lock "recycling-taskmaster-pool") :reader pool-lock)
    (pool-changed
     :initform (bt:make-condition-variable) :reader pool-changed
@@ -147,6 +161,10 @@ saturated pool; workers then take from the queue instead of accepting.")
                     :documentation "Worker threads that ended because they were surplus, ever.")
    (peak-thread-count :initform 0 :accessor peak-thread-count
                       :documentation "The most workers the pool has held at once.")
+   (readiness-totals
+    :initform (readiness-set-totals nil) :accessor readiness-totals
+    :documentation "The totals of +READINESS-TOTALS+ counted by the readiness
+sets of earlier runs, as a plist.")
    (retired-requests-served :initform 0 :accessor retired-requests-served
                             :documentation "Requests served by workers that have ended.")
    (last-rejection-log-time :initform 0 :accessor last-rejection-log-time))
@@ -359,17 +377,9 @@ with POOL-LOCK held."
   "WORKER's thread is ending, normally or not.  Undo whatever its state still
 counts, and ask for a replacement if the pool fell below standby."
   (with-pool-state-change (taskmaster)
-    (case (worker-state worker)
-      (:exiting)
-      (:accepting
-       (decf (accepting-count taskmaster))
-       (decf (pool-thread-count taskmaster))
-       (when (and (zerop (accepting-count taskmaster)) (pool-may-grow-p taskmaster))
-         (incf (pending-thread-count taskmaster))))
-      ((:connected :reading :idle :in-request)
-       (decf (busy-count taskmaster))
-       (decf (pool-thread-count taskmaster)))
-      (t (decf (pool-thread-count taskmaster))))
+    (if (taskmaster-readiness-set taskmaster)
+        (forget-readiness-worker taskmaster worker)
+        (forget-blocking-worker taskmaster worker))
     (setf (worker-state worker) :exiting)
     (incf (retired-requests-served taskmaster) (worker-requests-served worker))
     (setf (pool-workers taskmaster) (delete worker (pool-workers taskmaster)))
@@ -379,6 +389,100 @@ counts, and ask for a replacement if the pool fell below standby."
       (incf (pending-thread-count taskmaster)))
     (notify-thread-maker taskmaster)
     (notify-pool-changed taskmaster)))
+
+(defun forget-blocking-worker (taskmaster worker)
+  "Undo what the blocking engine's WORKER still counts.  POOL-LOCK held."
+  (case (worker-state worker)
+      (:exiting)
+      (:accepting
+       (decf (accepting-count taskmaster))
+       (decf (pool-thread-count taskmaster))
+       (when (and (zerop (accepting-count taskmaster)) (pool-may-grow-p taskmaster))
+         (incf (pending-thread-count taskmaster))))
+      ((:connected :reading :idle :in-request)
+       (decf (busy-count taskmaster))
+       (decf (pool-thread-count taskmaster)))
+      (t (decf (pool-thread-count taskmaster)))))
+
+(defun forget-readiness-worker (taskmaster worker)
+  "Undo what the readiness-set engine's WORKER still counts.  POOL-LOCK held."
+  (case (worker-state worker)
+    (:exiting)
+    (:waiting
+     (atomic-decrement (readiness-set-waiting-count (taskmaster-readiness-set taskmaster)))
+     (decf (pool-thread-count taskmaster)))
+    (t (decf (pool-thread-count taskmaster)))))
+
+;;; State changes of a worker of the readiness-set engine.  The count of
+;;; waiting workers is atomic, not locked: it changes twice per request.
+
+(defun note-waiting (set worker)
+  (without-interrupts
+    (setf (worker-state worker) :waiting)
+    (atomic-increment (readiness-set-waiting-count set))))
+
+(defun note-stopped-waiting (set worker)
+  (without-interrupts
+    (setf (worker-state worker) :ready)
+    (atomic-decrement (readiness-set-waiting-count set))))
+
+(defun note-woken (taskmaster set worker)
+  "WORKER left epoll_wait with something to serve.  If it was the last one
+waiting, ask the thread-making thread for another worker."
+  (when (= 1 (without-interrupts
+               (setf (worker-state worker) :serving)
+               (atomic-decrement (readiness-set-waiting-count set))))
+    (with-pool-state-change (taskmaster)
+      (when (and (zerop (readiness-set-waiting-count set))
+                 (zerop (pending-thread-count taskmaster))
+                 (pool-may-grow-p taskmaster))
+        (incf (pending-thread-count taskmaster))
+        (notify-thread-maker taskmaster)))))
+
+(defun note-wait-timed-out (taskmaster set worker)
+  "WORKER waited THREAD-IDLE-TIMEOUT seconds for nothing.  True when it is
+surplus and retires now; the last waiting worker never retires."
+  (with-pool-state-change (taskmaster)
+    (when (and (not (shutting-down-p taskmaster))
+               (> (pool-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster))
+               (> (readiness-set-waiting-count set) 1))
+      (atomic-decrement (readiness-set-waiting-count set))
+      (setf (worker-state worker) :exiting)
+      (decf (pool-thread-count taskmaster))
+      (incf (threads-retired taskmaster))
+      t)))
+
+(defun note-handshake-started (worker)
+  (setf (worker-state worker) :handshaking))
+
+(defun note-handshake-finished (worker)
+  (setf (worker-state worker) :serving))
+
+(defun next-ready-token (taskmaster worker set)
+  "Wait on SET until WORKER has something to serve: the token reported, or
+NIL when WORKER is to end (the taskmaster is stopping, or WORKER is surplus)."
+  (note-waiting set worker)
+  (flet ((idle-deadline ()
+           (+ (get-internal-real-time)
+              (seconds->internal-units (taskmaster-thread-idle-timeout taskmaster)))))
+    (let ((idle-deadline (idle-deadline)))
+      (loop
+        (when (shutting-down-p taskmaster)
+          (note-stopped-waiting set worker)
+          (return nil))
+        (let ((token (epoll-wait-one (readiness-set-epoll-fd set) (milliseconds-until idle-deadline))))
+          (case token
+            (:interrupted)
+            (:timeout
+             (when (>= (get-internal-real-time) idle-deadline)
+               (when (note-wait-timed-out taskmaster set worker)
+                 (return nil))
+               (setf idle-deadline (idle-deadline))))
+            (t
+             ;; The wakeup descriptor means stop, seen at the top of the loop.
+             (unless (= token +wakeup-token+)
+               (note-woken taskmaster set worker)
+               (return token)))))))))
 
 ;;; Ending a worker's connection from another thread.
 
@@ -456,9 +560,11 @@ the worker is to end: the taskmaster is stopping or the worker is surplus."
   (setf (worker-thread worker) (bt:current-thread))
   (let ((*worker* worker))
     (unwind-protect
-         (loop for socket = (next-connection taskmaster worker)
-               while socket
-               do (serve-connection taskmaster worker socket))
+         (if (taskmaster-readiness-set taskmaster)
+             (run-readiness-worker taskmaster worker)
+             (loop for socket = (next-connection taskmaster worker)
+                   while socket
+                   do (serve-connection taskmaster worker socket)))
       (note-worker-exited taskmaster worker))))
 
 (defmethod hunchentoot:handle-incoming-connection ((taskmaster recycling-taskmaster) socket)
@@ -466,17 +572,27 @@ the worker is to end: the taskmaster is stopping or the worker is surplus."
 
 ;;; The thread-making thread.
 
+(defconstant +sweep-interval-seconds+ 1/4
+  "How often the thread-making thread ends parked connections whose deadline
+has passed: the precision of the header and keep-alive timeouts.")
+
 (defun next-maker-task (taskmaster)
-  "Wait for work for the thread-making thread: :EXIT, :MAKE-THREAD, or
-:OVERFLOW (after marking the overflow round begun)."
+  "Wait for work for the thread-making thread: :EXIT, :MAKE-THREAD,
+:OVERFLOW (after marking the overflow round begun; blocking engine) or
+:SWEEP (readiness-set engine, every +SWEEP-INTERVAL-SECONDS+)."
   (with-pool-lock (taskmaster)
-    (loop
-      (cond ((shutting-down-p taskmaster) (return :exit))
-            ((plusp (pending-thread-count taskmaster)) (return :make-thread))
-            ((pool-saturated-p taskmaster)
-             (setf (overflow-accepting-p taskmaster) t)
-             (return :overflow))
-            (t (bt:condition-wait (maker-wakeup taskmaster) (pool-lock taskmaster)))))))
+    (let ((sweep-deadline (+ (get-internal-real-time) (seconds->internal-units +sweep-interval-seconds+))))
+      (loop
+        (cond ((shutting-down-p taskmaster) (return :exit))
+              ((plusp (pending-thread-count taskmaster)) (return :make-thread))
+              ((null (taskmaster-readiness-set taskmaster))
+               (if (pool-saturated-p taskmaster)
+                   (progn (setf (overflow-accepting-p taskmaster) t)
+                          (return :overflow))
+                   (bt:condition-wait (maker-wakeup taskmaster) (pool-lock taskmaster))))
+              ((>= (get-internal-real-time) sweep-deadline) (return :sweep))
+              (t (bt:condition-wait (maker-wakeup taskmaster) (pool-lock taskmaster)
+                                    :timeout +sweep-interval-seconds+)))))))
 
 (defun worker-thread-name (taskmaster)
   (let ((acceptor (hunchentoot:taskmaster-acceptor taskmaster)))
@@ -570,7 +686,8 @@ idle kept-alive connection for them."
     (ecase (next-maker-task taskmaster)
       (:exit (return))
       (:make-thread (make-worker-thread taskmaster))
-      (:overflow (accept-for-saturated-pool taskmaster)))))
+      (:overflow (accept-for-saturated-pool taskmaster))
+      (:sweep (close-expired-connections (taskmaster-readiness-set taskmaster))))))
 
 (defmethod hunchentoot:too-many-taskmaster-requests ((taskmaster recycling-taskmaster) socket)
   (declare (ignore socket))
@@ -634,7 +751,13 @@ Not that they all accept: under load some already serve."
       (signal-corrupted taskmaster (format nil "~D worker threads from an earlier run are still alive."
                                            (length (pool-workers taskmaster)))))
     (reset-pool taskmaster)
-    (set-accept-timeout (acceptor-listen-socket acceptor) (taskmaster-thread-idle-timeout taskmaster))
+    (if (eq (acceptor-connection-engine acceptor) :readiness-set)
+        (setf (taskmaster-readiness-set taskmaster)
+              (make-readiness-set (acceptor-listen-socket acceptor)
+                                  :header-timeout (acceptor-header-timeout acceptor)
+                                  :keep-alive-timeout (acceptor-keep-alive-timeout acceptor)
+                                  :max-header-bytes (acceptor-max-header-bytes acceptor)))
+        (set-accept-timeout (acceptor-listen-socket acceptor) (taskmaster-thread-idle-timeout taskmaster)))
     (setf (thread-maker taskmaster)
           (hunchentoot:start-thread taskmaster (lambda () (run-thread-maker taskmaster))
                                     :name (format nil "hunchentoot-recycling-thread-maker ~A:~A"
@@ -644,6 +767,16 @@ Not that they all accept: under load some already serve."
     (unless (wait-for-standby-threads taskmaster)
       (signal-corrupted taskmaster "the standby workers did not start within 10 seconds."))
     taskmaster))
+
+(defun retire-readiness-set (taskmaster)
+  "Close TASKMASTER's readiness set, keeping its totals."
+  (let ((set (with-pool-state-change (taskmaster)
+               (let ((set (shiftf (taskmaster-readiness-set taskmaster) nil)))
+                 (setf (readiness-totals taskmaster)
+                       (add-readiness-statistics (readiness-totals taskmaster)
+                                                 (readiness-set-totals set)))
+                 set))))
+    (destroy-readiness-set set)))
 
 (defun begin-shutdown (taskmaster)
   (with-pool-state-change (taskmaster)
@@ -670,17 +803,28 @@ Not that they all accept: under load some already serve."
                (bt:condition-wait (pool-changed taskmaster) (pool-lock taskmaster) :timeout 0.1)
             finally (return t)))))
 
+(defun connection-states-to-cut (taskmaster)
+  "The worker states HUNCHENTOOT:STOP ends the connection of: those waiting on
+a client, and, when the stop is hard, those inside a request."
+  (append (if (taskmaster-readiness-set taskmaster) '(:handshaking) '(:reading :idle))
+          (unless (soft-stop-p taskmaster) '(:in-request))))
+
 (defmethod hunchentoot:shutdown ((taskmaster recycling-taskmaster))
   "End the pool: stop accepting, let in-flight requests finish when the stop
-is soft (cut them when it is hard), close idle connections, answer queued
-connections 503, and join every thread."
+is soft (cut them when it is hard), close idle and parked connections,
+answer queued connections 503, and join every thread."
   (let ((threads (with-pool-lock (taskmaster)
-                   (remove nil (mapcar #'worker-thread (pool-workers taskmaster))))))
+                   (remove nil (mapcar #'worker-thread (pool-workers taskmaster)))))
+        (set (taskmaster-readiness-set taskmaster)))
     (begin-shutdown taskmaster)
-    (wake-accepting-threads (taskmaster-listen-socket taskmaster))
+    (if set
+        (wake-all-waiters set)
+        (wake-accepting-threads (taskmaster-listen-socket taskmaster)))
+    (when set
+      (close-parked-connections set))
     (when (soft-stop-p taskmaster)
       (wait-for-requests-in-flight taskmaster))
-    (let ((states (if (soft-stop-p taskmaster) '(:reading :idle) '(:reading :idle :in-request))))
+    (let ((states (connection-states-to-cut taskmaster)))
       (dolist (worker (claim-workers-to-cut taskmaster states))
         (cut-connection worker states)))
     (mapc #'reject-connection (take-queued-connections taskmaster))
@@ -692,6 +836,9 @@ connections 503, and join every thread."
       (join-thread-within thread (taskmaster-stop-timeout taskmaster)))
     (when (thread-maker taskmaster)
       (join-thread-within (shiftf (thread-maker taskmaster) nil) (taskmaster-stop-timeout taskmaster)))
+    (when set
+      (close-parked-connections set)
+      (retire-readiness-set taskmaster))
     taskmaster))
 
 ;;; Observing the pool.
@@ -701,26 +848,57 @@ connections 503, and join every thread."
 
 (defgeneric taskmaster-statistics (taskmaster)
   (:documentation "A fresh plist describing TASKMASTER's pool (TASKMASTER may
-also be a PARALLEL-ACCEPTOR, meaning its taskmaster) now, taken under
-its lock in one go, cheap enough to poll.  Keys: :THREADS (workers in the
-pool), :BUSY-THREADS (workers holding a connection), :ACCEPTING-THREADS
-(workers in accept(2)), :IN-REQUEST-THREADS, :QUEUED-CONNECTIONS, and the
-totals since the taskmaster was made :CONNECTIONS-ACCEPTED,
-:CONNECTIONS-REJECTED (answered 503), :REQUESTS-SERVED, :THREADS-CREATED,
-:THREADS-RETIRED and :PEAK-THREADS.  The order of keys is unspecified.
-:REQUESTS-SERVED may lag by the requests finishing while it is read."))
+also be a PARALLEL-ACCEPTOR, meaning its taskmaster) now, cheap enough to
+poll.  Keys: :THREADS (workers in the pool), :BUSY-THREADS (workers
+holding a connection), :ACCEPTING-THREADS (workers waiting for a
+connection: in accept(2), or in epoll_wait with the readiness-set engine),
+:IN-REQUEST-THREADS, :QUEUED-CONNECTIONS (blocking engine: accepted while
+the pool was saturated), :PARKED-CONNECTIONS (readiness-set engine:
+connections waiting for bytes without a thread), :OPEN-CONNECTIONS
+(readiness-set engine: parked or being served), and the totals since the
+taskmaster was made :CONNECTIONS-ACCEPTED, :CONNECTIONS-REJECTED (answered
+503), :REQUESTS-SERVED, :THREADS-CREATED, :THREADS-RETIRED, :PEAK-THREADS,
+:KEEP-ALIVE-TIMEOUTS (kept-alive connections closed after
+KEEP-ALIVE-TIMEOUT idle seconds), and one count per refused request head:
+:BAD-REQUEST-REPLIES (400, malformed or ambiguous framing),
+:HEADER-TIMEOUT-REPLIES (408), :URI-TOO-LONG-REPLIES (414),
+:HEADER-TOO-LARGE-REPLIES (431) and :VERSION-NOT-SUPPORTED-REPLIES (505);
+these are counted by the readiness-set engine only (the blocking engine
+reads heads with Hunchentoot's reader).  The order of keys is unspecified.
+The pool's counts are taken under its lock in one go; the connection counts
+and :REQUESTS-SERVED may lag by the work finishing while they are read."))
 
 (defmethod taskmaster-statistics ((taskmaster recycling-taskmaster))
   (with-pool-lock (taskmaster)
-    (list :threads (pool-thread-count taskmaster)
-          :busy-threads (busy-count taskmaster)
-          :accepting-threads (accepting-count taskmaster)
+    (list* :threads (pool-thread-count taskmaster)
+          :busy-threads (busy-thread-count taskmaster)
+          :accepting-threads (waiting-thread-count taskmaster)
           :in-request-threads (in-request-count taskmaster)
           :queued-connections (length (queued-connections taskmaster))
-          :connections-accepted (connections-accepted taskmaster)
           :connections-rejected (connections-rejected taskmaster)
           :requests-served (+ (retired-requests-served taskmaster)
                               (reduce #'+ (pool-workers taskmaster) :key #'worker-requests-served))
           :threads-created (threads-created taskmaster)
           :threads-retired (threads-retired taskmaster)
-          :peak-threads (peak-thread-count taskmaster))))
+          :peak-threads (peak-thread-count taskmaster)
+          (connection-statistics taskmaster))))
+
+(defun busy-thread-count (taskmaster)
+  (let ((set (taskmaster-readiness-set taskmaster)))
+    (if set
+        (max 0 (- (pool-thread-count taskmaster) (readiness-set-waiting-count set)))
+        (busy-count taskmaster))))
+
+(defun waiting-thread-count (taskmaster)
+  (let ((set (taskmaster-readiness-set taskmaster)))
+    (if set (readiness-set-waiting-count set) (accepting-count taskmaster))))
+
+(defun connection-statistics (taskmaster)
+  "The connection counts of TASKMASTER: totals of the readiness sets of
+earlier runs plus the current one's."
+  (let ((set (taskmaster-readiness-set taskmaster))
+        (totals (copy-list (readiness-totals taskmaster))))
+    (incf (getf totals :connections-accepted) (connections-accepted taskmaster))
+    (if set
+        (add-readiness-statistics totals (readiness-set-statistics set))
+        (list* :parked-connections 0 :open-connections 0 totals))))

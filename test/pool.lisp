@@ -17,9 +17,14 @@
 
 (defparameter *standby-sizes* '(1 4 8))
 
-(defmacro define-pool-test (name (standby-var) &body body)
-  "Define NAME, running BODY once for each standby size, bound to STANDBY-VAR."
-  `(test ,name
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defparameter *blocking-engine* '(:blocking)
+    "For tests of what only the blocking engine does: queueing and 503s."))
+
+(defmacro define-pool-test (name (standby-var &key (engines '*engines*)) &body body)
+  "Define NAME.<engine> for each connection engine in ENGINES, running BODY
+once for each standby size, bound to STANDBY-VAR."
+  `(define-engine-test ,name (:engines ,engines)
      (dolist (,standby-var *standby-sizes*)
        (with-thread-leak-check ()
          ,@body))))
@@ -101,7 +106,7 @@ the request; returns the function that joins the client (see IN-THREAD)."
           "connections past the thread limit are queued and served: ~S" statuses))
     (is (= 8 (stats server :peak-threads)))))
 
-(define-pool-test pool.answers-503-past-max-accept-count (standby)
+(define-pool-test pool.answers-503-past-max-accept-count (standby :engines *blocking-engine*)
   (with-server (server (pooled-server :standby-thread-count (min standby 2)
                                       :max-thread-count 2 :max-accept-count 3))
     (let ((statuses (concurrent-gets server "/test/sleep?ms=500" 8)))
@@ -121,11 +126,10 @@ the request; returns the function that joins the client (see IN-THREAD)."
 
 (define-pool-test pool.restarts-on-the-same-port (standby)
   (let* ((port (free-port))
-         (server (make-instance 'parallel-easy-acceptor
-                                :port port :address "127.0.0.1" :access-log-destination nil
-                                :message-log-destination nil
-                                :taskmaster (make-instance 'recycling-taskmaster
-                                                           :standby-thread-count standby))))
+         (server (make-server 'parallel-easy-acceptor
+                              :port port
+                              :taskmaster (make-instance 'recycling-taskmaster
+                                                         :standby-thread-count standby))))
     (is (loop repeat 20
               always (progn (ht:start server)
                             (prog1 (eql 200 (http-get server "/test/yo"))
@@ -193,9 +197,7 @@ the request; returns the function that joins the client (see IN-THREAD)."
     (abandon-acceptor server)
     (is (not (ht:started-p server)))
     (is (= 0 (stats server :threads)))
-    (with-server (again (make-instance 'parallel-easy-acceptor
-                                       :port port :address "127.0.0.1"
-                                       :access-log-destination nil :message-log-destination nil))
+    (with-server (again (make-server 'parallel-easy-acceptor :port port))
       (is (eql 200 (http-get again "/test/yo")) "the port is reusable at once"))))
 
 (define-pool-test abandon.idle (standby)
@@ -220,7 +222,7 @@ the request; returns the function that joins the client (see IN-THREAD)."
   ;; Its cleanup outlives the stop timeout of the test below.
   (unwind-protect (sleep 10) (sleep 3)))
 
-(test stop.signals-corrupted-when-a-worker-outlives-the-stop-timeout
+(define-engine-test stop.signals-corrupted-when-a-worker-outlives-the-stop-timeout ()
   (with-thread-leak-check ()
     (let ((server (pooled-server :standby-thread-count 2 :stop-timeout 1)))
       (ht:start server)
@@ -243,7 +245,7 @@ the request; returns the function that joins the client (see IN-THREAD)."
             (documentation symbol 'type))
         "~S has no docstring" symbol)))
 
-(define-pool-test pool.queued-connection-reclaims-an-idle-kept-alive-worker (standby)
+(define-pool-test pool.queued-connection-reclaims-an-idle-kept-alive-worker (standby :engines *blocking-engine*)
   (with-server (server (pooled-server :standby-thread-count (min standby 2)
                                       :max-thread-count 2 :max-accept-count 5))
     (let ((kept-alive (list (connect server) (connect server)))
@@ -262,14 +264,17 @@ the request; returns the function that joins the client (see IN-THREAD)."
                  "one idle kept-alive connection was closed for it"))
         (mapc #'usocket:socket-close (cons late kept-alive))))))
 
-(test statistics.counts-what-happened
+(define-engine-test statistics.counts-what-happened ()
   (with-thread-leak-check ()
     (with-server (server (pooled-server :standby-thread-count 2))
       (dotimes (i 5) (http-get server "/test/yo"))
       (let ((statistics (taskmaster-statistics server)))
         (dolist (key '(:threads :busy-threads :accepting-threads :in-request-threads
                        :queued-connections :connections-accepted :connections-rejected
-                       :requests-served :threads-created :threads-retired :peak-threads))
+                       :requests-served :threads-created :threads-retired :peak-threads
+                       :parked-connections :open-connections :keep-alive-timeouts
+                       :bad-request-replies :header-timeout-replies :uri-too-long-replies
+                       :header-too-large-replies :version-not-supported-replies))
           (is (integerp (getf statistics key)) "~S is missing" key))
         (is (= 5 (getf statistics :requests-served)))
         (is (= 5 (getf statistics :connections-accepted)) "drakma closes each connection")
@@ -291,16 +296,15 @@ connection until DEADLINE (internal real time).  Counts the 200 replies."
                        (error () (loop-finish))))
       (when socket (ignore-errors (usocket:socket-close socket))))))
 
-(test pool.starts-under-immediate-load
+(define-engine-test pool.starts-under-immediate-load ()
   ;; Clients already hammering the port when START runs keep the standby
   ;; workers busy; START must not wait for them all to be idle at once.
   (with-thread-leak-check ()
     (let* ((port (free-port))
-           (server (make-instance 'parallel-easy-acceptor
-                                  :port port :address "127.0.0.1"
-                                  :access-log-destination nil :message-log-destination nil
-                                  :taskmaster (make-instance 'recycling-taskmaster
-                                                             :standby-thread-count 4)))
+           (server (make-server 'parallel-easy-acceptor
+                                :port port
+                                :taskmaster (make-instance 'recycling-taskmaster
+                                                           :standby-thread-count 4)))
            (deadline (+ (get-internal-real-time) (* 12 internal-time-units-per-second)))
            (clients (loop repeat 8
                           collect (in-thread (lambda () (keep-alive-client server deadline))))))

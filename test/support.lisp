@@ -11,16 +11,36 @@
     (prog1 (usocket:get-local-port socket)
       (usocket:socket-close socket))))
 
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defparameter *engines* '(:readiness-set :blocking)
+    "Every connection engine; tests of the acceptors run once with each."))
+
+(defvar *engine* :readiness-set
+  "The connection engine MAKE-SERVER gives a parallel acceptor unless told.")
+
 (defun make-server (class &rest initargs)
+  "An acceptor of CLASS on a free port of 127.0.0.1, logging nothing; a
+parallel one runs *ENGINE* unless INITARGS say otherwise."
   (apply #'make-instance class :port 0 :address "127.0.0.1"
                                :access-log-destination nil
                                :message-log-destination nil
-                               initargs))
+                               (if (subtypep class 'parallel-acceptor)
+                                   (append initargs (list :connection-engine *engine*))
+                                   initargs)))
 
 (defun pooled-server (&rest taskmaster-initargs)
   "A PARALLEL-EASY-ACCEPTOR with a RECYCLING-TASKMASTER made of TASKMASTER-INITARGS."
   (make-server 'parallel-easy-acceptor
                :taskmaster (apply #'make-instance 'recycling-taskmaster taskmaster-initargs)))
+
+(defmacro define-engine-test (name (&key (engines '*engines*)) &body body)
+  "Define NAME.<engine> for each connection engine in ENGINES, each running
+BODY with *ENGINE* bound to it."
+  `(progn
+     ,@(loop for engine in (symbol-value engines)
+             collect `(test ,(intern (format nil "~A.~A" name engine))
+                        (let ((*engine* ,engine))
+                          ,@body)))))
 
 (defun url (server path)
   (format nil "~:[http~;https~]://127.0.0.1:~D~A"

@@ -1,0 +1,302 @@
+;;;; The readiness-set engine: what a worker of a PARALLEL-ACCEPTOR does
+;;;; with the connection engine :READINESS-SET.  A worker waits on the
+;;;; acceptor's readiness set; woken for the listening socket it accepts a
+;;;; connection, woken for a connection it reads what has arrived without
+;;;; waiting.  It answers every complete request head in its buffer and
+;;;; parks the connection again -- with the bytes of a partial head, if any
+;;;; -- as soon as the socket has nothing more.  A thread is held only while
+;;;; a head is parsed or a request answered.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defvar *keep-alive-grace-milliseconds* 0
+  "How long a worker that has just answered a kept-alive connection waits for
+the client's next request before parking the connection: 0 tries once
+without waiting.  bench/ measures the choice.")
+
+(defun head-buffer-bytes (set)
+  "A worker's buffer takes the largest head allowed, with room to spare for
+pipelined requests."
+  (max 32768 (+ +max-request-line-bytes+ (readiness-set-max-header-bytes set) 1024)))
+
+(defun milliseconds-until (deadline)
+  (max 0 (ceiling (* 1000 (- deadline (get-internal-real-time))) internal-time-units-per-second)))
+
+;;; Reading without waiting.
+
+(defun plain-connection-p (connection)
+  (eq (connection-stream connection) (usocket:socket-stream (connection-socket connection))))
+
+(defun receive-from-stream (stream fd buffer start end)
+  "Take what STREAM (an SSL stream) has decrypted, without waiting, into BUFFER.
+LISTEN reads ahead into the stream's own buffer, so bytes decrypted
+earlier are found there, not on the socket."
+  (handler-case
+      (let ((position start))
+        (loop while (and (< position end) (listen stream))
+              do (setf (aref buffer position) (read-byte stream))
+                 (incf position))
+        (cond ((> position start) (- position start))
+              ((end-of-file-p fd) 0)
+              (t :would-block)))
+    (error () :error)))
+
+(defun receive-bytes (connection buffer start end)
+  "Bytes that have arrived on CONNECTION, into BUFFER from START below END:
+their count, 0 at end of file, :WOULD-BLOCK or :ERROR."
+  (if (plain-connection-p connection)
+      (receive-available (connection-fd connection) buffer start end)
+      (receive-from-stream (connection-stream connection) (connection-fd connection) buffer start end)))
+
+(defun take-pending-bytes (connection buffer)
+  "Move CONNECTION's pending octets to the start of BUFFER; their count."
+  (let ((pending (shiftf (connection-pending connection) nil)))
+    (if pending
+        (progn (replace buffer pending) (length pending))
+        0)))
+
+(defun drain-stream-buffer (stream buffer start)
+  "Move the octets STREAM has read ahead of the request body into BUFFER from
+START: they begin the next request.  The new end, or NIL when they do not fit."
+  (loop with position = start
+        while (listen stream)
+        do (when (>= position (length buffer))
+             (return nil))
+           (setf (aref buffer position) (read-byte stream))
+           (incf position)
+        finally (return position)))
+
+;;; Parking.
+
+(defun stopping-p (taskmaster)
+  (or (shutting-down-p taskmaster)
+      (acceptor-shutting-down-p (hunchentoot:taskmaster-acceptor taskmaster))))
+
+(defun park-or-end (taskmaster set connection buffer end)
+  "Park CONNECTION with the END octets of BUFFER (the start of a head, or
+none) until more arrive; end it instead if its deadline has passed or the
+taskmaster is stopping."
+  (let* ((now (get-internal-real-time))
+         (head-started (connection-head-started connection))
+         (deadline (if head-started
+                       (+ head-started (readiness-set-header-timeout set))
+                       (+ now (readiness-set-keep-alive-timeout set)))))
+    (cond ((stopping-p taskmaster) (close-connection set connection))
+          ((<= deadline now) (end-parked-connection-now set connection head-started))
+          (t
+           (when (plusp end)
+             (setf (connection-pending connection) (subseq buffer 0 end)))
+           (if (park-connection set connection deadline (and head-started 408))
+               (progn
+                 ;; HUNCHENTOOT:STOP sets its flag, then closes what is parked.
+                 (memory-barrier)
+                 (when (and (stopping-p taskmaster) (take-parked-connection set connection))
+                   (close-connection set connection)))
+               (close-connection set connection))))))
+
+(defun end-parked-connection-now (set connection head-started)
+  (if head-started
+      (refuse-connection-head set connection 408)
+      (progn (atomic-increment (readiness-set-keep-alive-timeouts set))
+             (close-connection set connection))))
+
+;;; Answering a request whose head is in the buffer.
+
+(defun content-stream-for (acceptor headers stream buffer body-start end)
+  "The stream a request body is read from: the body octets already in BUFFER
+from BODY-START below END, then STREAM; decoded from chunked if the client
+says so.  Second value: the in-memory stream of the buffered octets, or NIL.
+Third value: true when the content stream is chunked; it must then also be
+Hunchentoot's connection stream, which is how Hunchentoot tells that the
+body is chunked, and so it writes the reply to STREAM too."
+  (let* ((buffered (and (< body-start end)
+                        (flex:make-in-memory-input-stream buffer :start body-start :end end)))
+         (content (if buffered (make-concatenated-stream buffered stream) stream)))
+    (if (assoc :transfer-encoding headers)
+        (progn
+          (unless (hunchentoot:acceptor-input-chunking-p acceptor)
+            (error "The client sent a chunked request body, but ~S does not accept chunked input."
+                   acceptor))
+          (let ((chunked (chunga:make-chunked-stream
+                          (if buffered (make-two-way-stream content stream) stream))))
+            (setf (chunga:chunked-stream-input-chunking-p chunked) t)
+            (values chunked buffered t)))
+        (values content buffered nil))))
+
+(defun unread-octets (in-memory-stream)
+  (let ((octets (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
+    (loop for octet = (read-byte in-memory-stream nil)
+          while octet
+          do (vector-push-extend octet octets))
+    octets))
+
+(defun next-request-octets (connection buffer body-p buffered head-end end)
+  "After a request, move what is left of the client's input to the start of
+BUFFER: the end of the octets that begin the next request, or NIL when they
+do not fit (the connection is then closed)."
+  (cond ((not body-p)
+         (replace buffer buffer :start2 head-end :end2 end)
+         (- end head-end))
+        (t
+         (let* ((unread (if buffered (unread-octets buffered) #()))
+                (stream (connection-stream connection)))
+           (replace buffer unread)
+           (if (plain-connection-p connection)
+               (drain-stream-buffer stream buffer (length unread))
+               (length unread))))))
+
+(defun answer-buffered-request (taskmaster worker set connection buffer
+                                request-start request-line-end head-end end)
+  "Answer the request whose head is in BUFFER.  Returns :KEEP-ALIVE and the
+end of the next request's octets (moved to the start of BUFFER), :CLOSE,
+:DETACHED (a handler called HUNCHENTOOT:DETACH-SOCKET) or :REFUSED (the head
+was answered with an error and the connection closed)."
+  (multiple-value-bind (headers method uri protocol)
+      (parse-request-head buffer request-start request-line-end head-end)
+    (when (integerp headers)
+      (refuse-connection-head set connection headers)
+      (return-from answer-buffered-request :refused))
+    (let* ((acceptor (hunchentoot:taskmaster-acceptor taskmaster))
+           (stream (connection-stream connection))
+           (body-p (request-has-body-p headers)))
+      (multiple-value-bind (content-stream buffered chunked-p)
+          (if body-p
+              (content-stream-for acceptor headers stream buffer head-end end)
+              (values stream nil nil))
+        (setf (current-connection-stream) (if chunked-p content-stream stream))
+        (with-request-bindings ()
+          (note-request-started worker)
+          (when (expects-continue-p headers)
+            (write-sequence *continue-reply* stream)
+            (force-output stream))
+          (let ((hunchentoot:*reply* (make-instance (hunchentoot:acceptor-reply-class acceptor)))
+                (hunchentoot:*session* nil))
+            (call-with-request-counted
+             acceptor
+             (lambda ()
+               (hunchentoot:process-request
+                (make-acceptor-request acceptor (connection-socket connection) headers
+                                       content-stream method uri protocol)))))
+          (finish-output (current-connection-stream))
+          (hunchentoot:reset-connection-stream acceptor (current-connection-stream))
+          (setf (current-connection-stream) stream)
+          (note-request-finished taskmaster worker)
+          (cond ((not (close-connection-stream-p)) :detached)
+                ((finish-processing-connection-p) :close)
+                (t (let ((next-end (next-request-octets connection buffer body-p buffered head-end end)))
+                     (if next-end (values :keep-alive next-end) :close)))))))))
+
+;;; Serving a connection a worker holds.
+
+(defun read-more (taskmaster set connection buffer end)
+  "Add what has arrived on CONNECTION to BUFFER after END.  The new end, or
+NIL when the connection has been parked or ended."
+  (let ((count (receive-bytes connection buffer end (length buffer))))
+    (cond ((eq count :would-block)
+           (if (and (null (connection-head-started connection))
+                    (zerop end)
+                    (plusp *keep-alive-grace-milliseconds*)
+                    (wait-until-fd-readable (connection-fd connection) *keep-alive-grace-milliseconds*))
+               (read-more taskmaster set connection buffer end)
+               (progn (park-or-end taskmaster set connection buffer end) nil)))
+          ((or (eq count :error) (zerop count))
+           (close-connection set connection)
+           nil)
+          (t
+           (unless (connection-head-started connection)
+             (setf (connection-head-started connection) (get-internal-real-time)))
+           (+ end count)))))
+
+(defun serve-held-connection (taskmaster worker set connection buffer)
+  "Answer every request CONNECTION has sent, then park it, close it or let it
+go.  The caller holds CONNECTION."
+  (let ((start 0)
+        (end (take-pending-bytes connection buffer)))
+    (loop
+      (multiple-value-bind (status request-start request-line-end head-end)
+          (scan-request-head buffer start end (readiness-set-max-header-bytes set))
+        (case status
+          (:complete
+           (multiple-value-bind (outcome next-end)
+               (answer-buffered-request taskmaster worker set connection buffer
+                                        request-start request-line-end head-end end)
+             (ecase outcome
+               (:keep-alive
+                (when (stopping-p taskmaster)
+                  (close-connection set connection)
+                  (return))
+                (setf start 0
+                      end next-end
+                      (connection-head-started connection)
+                      (and (plusp end) (get-internal-real-time))))
+               (:close (close-connection set connection) (return))
+               (:detached (remove-connection set connection) (return))
+               (:refused (return)))))
+          (:incomplete
+           (when (plusp start)
+             (replace buffer buffer :start2 start :end2 end)
+             (decf end start)
+             (setf start 0))
+           (setf end (or (read-more taskmaster set connection buffer end) (return))))
+          (t (refuse-connection-head set connection status)
+             (return)))))))
+
+(defun serve-connection-safely (taskmaster worker set connection buffer)
+  "SERVE-HELD-CONNECTION, closing CONNECTION if that fails or is cut short by
+HUNCHENTOOT:STOP.  An error ends only this connection; it is logged as
+Hunchentoot logs errors outside handlers."
+  (let ((finished-p nil))
+    (unwind-protect
+         (catch 'connection-cut
+           (handler-case
+               (progn (with-connection-bindings ()
+                        (serve-held-connection taskmaster worker set connection buffer))
+                      (setf finished-p t))
+             (error (condition)
+               (hunchentoot:acceptor-log-message (hunchentoot:taskmaster-acceptor taskmaster) :error
+                                                 "Error while serving a connection: ~A" condition))))
+      ;; Once served, the connection is parked or closed, and may already be
+      ;; another worker's: only one that was cut short is still this one's.
+      (unless finished-p
+        (close-connection set connection)))))
+
+;;; New connections.
+
+(defun accept-new-connection (taskmaster worker set)
+  "Accept a connection from the listening socket and serve what it has sent."
+  (let* ((acceptor (hunchentoot:taskmaster-acceptor taskmaster))
+         (socket (accept-connection taskmaster)))
+    ;; Another worker may accept the next connection while this one serves.
+    (rearm-listen-socket set (acceptor-listen-socket acceptor))
+    (when socket
+      (atomic-increment (readiness-set-connections-accepted set))
+      (let ((connection (add-connection set socket)))
+        (setf (connection-head-started connection) (get-internal-real-time))
+        (note-handshake-started worker)
+        (let ((stream (ignore-errors
+                       (hunchentoot:initialize-connection-stream acceptor (usocket:socket-stream socket)))))
+          (note-handshake-finished worker)
+          (if stream
+              (progn (setf (connection-stream connection) stream)
+                     (serve-connection-safely taskmaster worker set connection
+                                              (worker-head-buffer worker)))
+              (close-connection set connection)))))))
+
+;;; The worker.
+
+(defun serve-token (taskmaster worker set token)
+  (cond ((= token +listen-token+)
+         (accept-new-connection taskmaster worker set))
+        (t (let ((connection (take-ready-connection set token)))
+             (when connection
+               (serve-connection-safely taskmaster worker set connection
+                                        (worker-head-buffer worker)))))))
+
+(defun run-readiness-worker (taskmaster worker)
+  (let ((set (taskmaster-readiness-set taskmaster))
+        (hunchentoot:*acceptor* (hunchentoot:taskmaster-acceptor taskmaster)))
+    (setf (worker-head-buffer worker)
+          (make-array (head-buffer-bytes set) :element-type '(unsigned-byte 8)))
+    (loop for token = (next-ready-token taskmaster worker set)
+          while token
+          do (serve-token taskmaster worker set token))))

@@ -1,0 +1,277 @@
+;;;; The readiness set of a PARALLEL-ACCEPTOR: one epoll set holding the
+;;;; listening socket and every connection that waits for bytes, and the
+;;;; table of those connections.  Workers wait on the set; whichever wakes
+;;;; takes what is ready.
+;;;;
+;;;; Ownership.  A connection is :ACTIVE while exactly one thread holds it,
+;;;; :PARKED while it waits in the set, and :CLOSED at the end.  Only the
+;;;; holder of an :ACTIVE connection touches it.  Parking sets :PARKED before
+;;;; arming the descriptor (one-shot), and every taker -- the worker woken
+;;;; for it, the sweeper closing it at its deadline, HUNCHENTOOT:STOP --
+;;;; must win a compare-and-swap from :PARKED to :ACTIVE first, so that two
+;;;; threads never serve one connection.  A worker woken with a token whose
+;;;; slot now holds another connection (the generation differs) drops it.
+;;;;
+;;;; TABLE-LOCK guards the slot table and its free list, taken when a
+;;;; connection enters or leaves the table, never around I/O.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defconstant +listen-token+ 0)
+(defconstant +wakeup-token+ 1)
+(defconstant +first-connection-token+ 2)
+
+(defstruct (connection (:constructor make-connection (socket fd token)))
+  "A client connection served by the readiness set."
+  ;; :ACTIVE, :PARKED or :CLOSED; see Ownership above.
+  (state :active)
+  (socket nil :read-only t)
+  (fd -1 :type fixnum :read-only t)
+  (token 0 :type word :read-only t)
+  (stream nil)
+  ;; The octets that arrived and are not yet answered (part of a head, or
+  ;; pipelined requests), or NIL.
+  (pending nil)
+  ;; True once the descriptor is in the epoll set.
+  (armed-p nil)
+  ;; Internal real time at which a parked connection is ended.
+  (deadline 0 :type fixnum)
+  ;; 408 when DEADLINE is the header timeout, NIL when it is the keep-alive
+  ;; timeout (the connection is then closed without a word).
+  (timeout-status nil)
+  ;; Internal real time the head being read began to arrive (or the
+  ;; connection was accepted); NIL between requests of a kept-alive one.
+  (head-started nil :type (or null fixnum)))
+
+(defmethod print-object ((connection connection) stream)
+  (print-unreadable-object (connection stream :type t :identity t)
+    (format stream "fd ~D ~S" (connection-fd connection) (connection-state connection))))
+
+(defparameter *limit-statistics*
+  '((400 . :bad-request-replies)
+    (408 . :header-timeout-replies)
+    (414 . :uri-too-long-replies)
+    (431 . :header-too-large-replies)
+    (505 . :version-not-supported-replies))
+  "Status code of a refused head -> its counter's key in TASKMASTER-STATISTICS.")
+
+(defstruct (readiness-set (:constructor %make-readiness-set))
+  (epoll-fd -1 :type fixnum :read-only t)
+  (wakeup-fd -1 :type fixnum :read-only t)
+  (table-lock (bt:make-lock "readiness-set-table") :read-only t)
+  ;; Index -> the CONNECTION holding it, or NIL.
+  (slots (make-array 1024 :initial-element nil) :type simple-vector)
+  (free-indices '())
+  (next-index 0 :type fixnum)
+  (generation 0 :type fixnum)
+  ;; Internal time units a request head may take to arrive.
+  (header-timeout 0 :type fixnum :read-only t)
+  ;; Internal time units a kept-alive connection may wait for its next request.
+  (keep-alive-timeout 0 :type fixnum :read-only t)
+  (max-header-bytes 0 :type fixnum :read-only t)
+  ;; Connections taken from the listening socket, ever.
+  (connections-accepted 0 :type word)
+  ;; Connections in the table, held by workers or parked.
+  (connection-count 0 :type fixnum)
+  ;; Workers in (or entering) epoll_wait on this set.
+  (waiting-count 0 :type word)
+  ;; Connections parked now.
+  (parked-count 0 :type word)
+  ;; Parked keep-alive connections closed at the keep-alive timeout, ever.
+  (keep-alive-timeouts 0 :type word)
+  ;; Per status of *LIMIT-STATISTICS*, the heads refused with it, ever.
+  (limit-counts (make-array (length *limit-statistics*) :element-type 'word :initial-element 0)
+   :type (simple-array word (*)) :read-only t))
+
+(defun seconds->internal-units (seconds)
+  (round (* seconds internal-time-units-per-second)))
+
+(defun make-readiness-set (listen-socket &key header-timeout keep-alive-timeout max-header-bytes)
+  "A readiness set watching LISTEN-SOCKET (made non-blocking: a worker woken
+for it may find the connection already taken).  The timeouts are in seconds."
+  (let* ((epoll-fd (make-epoll-set))
+         (set (%make-readiness-set :epoll-fd epoll-fd :wakeup-fd (make-wakeup-fd)
+                                   :header-timeout (seconds->internal-units header-timeout)
+                                   :keep-alive-timeout (seconds->internal-units keep-alive-timeout)
+                                   :max-header-bytes max-header-bytes)))
+    (set-non-blocking listen-socket)
+    (epoll-watch epoll-fd (socket-file-descriptor listen-socket) +listen-token+ :one-shot t)
+    (epoll-watch epoll-fd (readiness-set-wakeup-fd set) +wakeup-token+)
+    set))
+
+(defun destroy-readiness-set (set)
+  (close-fd (readiness-set-epoll-fd set))
+  (close-fd (readiness-set-wakeup-fd set)))
+
+(defun rearm-listen-socket (set listen-socket)
+  (epoll-rearm (readiness-set-epoll-fd set) (socket-file-descriptor listen-socket) +listen-token+))
+
+(defun wake-all-waiters (set)
+  "Make every epoll_wait on SET, now and later, return at once."
+  (signal-wakeup-fd (readiness-set-wakeup-fd set)))
+
+(defun count-refused-head (set status)
+  (let ((index (position status *limit-statistics* :key #'car)))
+    (when index
+      (atomic-increment (aref (readiness-set-limit-counts set) index)))))
+
+;;; The table.
+
+(defun slot-index (token)
+  (- (ldb (byte 32 0) token) +first-connection-token+))
+
+(defun add-connection (set socket)
+  "Enter the accepted SOCKET into SET's table; its CONNECTION, :ACTIVE."
+  (bt:with-lock-held ((readiness-set-table-lock set))
+    (let* ((index (or (pop (readiness-set-free-indices set))
+                      (prog1 (readiness-set-next-index set)
+                        (incf (readiness-set-next-index set)))))
+           (generation (setf (readiness-set-generation set)
+                             (ldb (byte 31 0) (1+ (readiness-set-generation set)))))
+           (connection (make-connection socket (socket-file-descriptor socket)
+                                        (dpb generation (byte 31 32) (+ index +first-connection-token+)))))
+      (when (>= index (length (readiness-set-slots set)))
+        (setf (readiness-set-slots set)
+              (replace (make-array (* 2 (length (readiness-set-slots set))) :initial-element nil)
+                       (readiness-set-slots set))))
+      (setf (svref (readiness-set-slots set) index) connection)
+      (incf (readiness-set-connection-count set))
+      connection)))
+
+(defun remove-connection (set connection)
+  "Take CONNECTION, which the caller holds, out of SET's table."
+  (setf (connection-state connection) :closed)
+  (bt:with-lock-held ((readiness-set-table-lock set))
+    (let ((index (slot-index (connection-token connection))))
+      (when (eq (svref (readiness-set-slots set) index) connection)
+        (setf (svref (readiness-set-slots set) index) nil)
+        (push index (readiness-set-free-indices set))
+        (decf (readiness-set-connection-count set))))))
+
+(defun take-parked-connection (set connection)
+  "Make the caller CONNECTION's holder if it is parked.  True when it was."
+  (when (compare-and-swap (connection-state connection) :parked :active)
+    (atomic-decrement (readiness-set-parked-count set))
+    t))
+
+(defun take-ready-connection (set token)
+  "The parked connection TOKEN was reported for, now held by the caller; NIL
+when it is gone or another thread took it."
+  (let* ((slots (readiness-set-slots set))
+         (index (slot-index token))
+         (connection (and (< index (length slots)) (svref slots index))))
+    (and connection
+         (= (connection-token connection) token)
+         (take-parked-connection set connection)
+         connection)))
+
+(defun park-connection (set connection deadline timeout-status)
+  "Give up CONNECTION until bytes arrive or DEADLINE passes.  False when the
+descriptor could not be armed (the caller still holds the connection)."
+  (setf (connection-deadline connection) deadline
+        (connection-timeout-status connection) timeout-status
+        (connection-state connection) :parked)
+  (atomic-increment (readiness-set-parked-count set))
+  (or (if (connection-armed-p connection)
+          (epoll-rearm (readiness-set-epoll-fd set) (connection-fd connection) (connection-token connection))
+          (setf (connection-armed-p connection)
+                (epoll-watch (readiness-set-epoll-fd set) (connection-fd connection)
+                             (connection-token connection) :one-shot t)))
+      (progn (take-parked-connection set connection) nil)))
+
+(defun map-parked-connections (set function)
+  "Call FUNCTION on every connection parked in SET now.  It is not taken: it
+may be taken by a worker before or while FUNCTION runs."
+  (let ((slots (readiness-set-slots set)))
+    (loop for connection across slots
+          when (and connection (eq (connection-state connection) :parked))
+            do (funcall function connection))))
+
+;;; Ending connections.
+
+(defun close-connection (set connection)
+  "Close CONNECTION, which the caller holds, and forget it.  Errors mean the
+client is gone already."
+  (remove-connection set connection)
+  (let ((stream (connection-stream connection))
+        (socket-stream (usocket:socket-stream (connection-socket connection))))
+    (when (and stream (not (eq stream socket-stream)))
+      (ignore-errors (close stream :abort t)))
+    (ignore-errors (close socket-stream :abort t))
+    (ignore-errors (usocket:socket-close (connection-socket connection)))))
+
+(defun refuse-connection-head (set connection status)
+  "Answer CONNECTION's head with the error reply for STATUS and close it.
+The reply and FIN go out before the close, so that the client reads the
+reply before the reset that unread input provokes."
+  (count-refused-head set status)
+  (let ((reply (head-error-reply status))
+        (stream (connection-stream connection)))
+    (ignore-errors
+     (if (eq stream (usocket:socket-stream (connection-socket connection)))
+         (send-without-waiting (connection-fd connection) reply)
+         (progn (write-sequence reply stream) (finish-output stream))))
+    (shut-down-output (connection-socket connection))
+    (let ((scratch (make-array 4096 :element-type '(unsigned-byte 8))))
+      (loop repeat 16
+            for count = (receive-available (connection-fd connection) scratch 0 4096)
+            while (and (integerp count) (plusp count)))))
+  (close-connection set connection))
+
+(defun end-parked-connection (set connection)
+  "CONNECTION, just taken from the set, has reached its deadline."
+  (let ((status (connection-timeout-status connection)))
+    (if status
+        (refuse-connection-head set connection status)
+        (progn (atomic-increment (readiness-set-keep-alive-timeouts set))
+               (close-connection set connection)))))
+
+(defun close-expired-connections (set)
+  "End every parked connection whose deadline has passed: 408 for a head
+that did not arrive in time, a plain close for an idle keep-alive one."
+  (let ((now (get-internal-real-time)))
+    (map-parked-connections
+     set (lambda (connection)
+           (when (and (<= (connection-deadline connection) now)
+                      (take-parked-connection set connection))
+             (end-parked-connection set connection))))))
+
+(defun close-parked-connections (set)
+  "Close every parked connection at once, for HUNCHENTOOT:STOP."
+  (map-parked-connections
+   set (lambda (connection)
+         (when (take-parked-connection set connection)
+           (close-connection set connection)))))
+
+(defparameter *readiness-totals*
+  (list* :connections-accepted :keep-alive-timeouts (mapcar #'cdr *limit-statistics*))
+  "The keys of READINESS-SET-STATISTICS that count events ever, as opposed to
+what is the case now.")
+
+(defun readiness-set-statistics (set)
+  "The readiness set's part of TASKMASTER-STATISTICS."
+  (list* :parked-connections (readiness-set-parked-count set)
+         :open-connections (readiness-set-connection-count set)
+         (readiness-set-totals set)))
+
+(defun readiness-set-totals (set)
+  "The totals of +READINESS-TOTALS+ counted by SET, or zeros when SET is NIL."
+  (list* :connections-accepted (if set (readiness-set-connections-accepted set) 0)
+         :keep-alive-timeouts (if set (readiness-set-keep-alive-timeouts set) 0)
+         (loop for (nil . key) in *limit-statistics*
+               for index from 0
+               collect key
+               collect (if set (aref (readiness-set-limit-counts set) index) 0))))
+
+(defun add-readiness-statistics (totals statistics)
+  "STATISTICS with each total of +READINESS-TOTALS+ raised by that in TOTALS."
+  (loop for (key value) on statistics by #'cddr
+        collect key
+        collect (if (member key *readiness-totals*) (+ value (getf totals key 0)) value)))
+
+(defun close-every-connection (set)
+  "Close every connection in SET's table, whoever held it: for
+ABANDON-ACCEPTOR, once the threads that held them are gone."
+  (loop for connection across (readiness-set-slots set)
+        when connection
+          do (close-connection set connection)))

@@ -1,0 +1,272 @@
+;;;; Reading a request head straight from an octet buffer: finding its end,
+;;;; enforcing the size limits, and parsing it into what Hunchentoot's
+;;;; request object is made of.  No stream is involved, so a head that has
+;;;; only partly arrived costs no thread: its bytes wait with the parked
+;;;; connection.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defconstant +max-request-line-bytes+ 8192
+  "The longest request line answered; a longer one gets 414.")
+
+(defconstant +max-header-lines+ 100
+  "The most header lines in one request head; more get 431.")
+
+(defconstant +cr+ 13)
+(defconstant +lf+ 10)
+
+(deftype octets () '(simple-array (unsigned-byte 8) (*)))
+
+;;; Finding the end of a head.
+
+(defun blank-line-p (buffer line-start line-end)
+  "True when the line from LINE-START to the LF at LINE-END is empty, with or
+without its CR."
+  (declare (type octets buffer) (type fixnum line-start line-end))
+  (or (= line-start line-end)
+      (and (= (1+ line-start) line-end) (= (aref buffer line-start) +cr+))))
+
+(defun skip-blank-lines (buffer start end)
+  "RFC 9112 2.2: a server ignores empty lines before a request line (some
+clients send CRLF after a request body).  The index of the first byte that
+is not part of such a line."
+  (declare (type octets buffer) (type fixnum start end))
+  (loop while (and (< start end)
+                   (or (= (aref buffer start) +lf+)
+                       (and (= (aref buffer start) +cr+)
+                            (< (1+ start) end)
+                            (= (aref buffer (1+ start)) +lf+))))
+        do (incf start (if (= (aref buffer start) +lf+) 1 2)))
+  start)
+
+(defun scan-request-head (buffer start end max-header-bytes)
+  "Look for a complete request head in BUFFER from START below END.  Returns
+:INCOMPLETE; or :COMPLETE, the index where the request line starts (after
+blank lines), the index of the request line's LF, and the index just past
+the head; or the status code that the head already deserves: 414 (request
+line too long), 431 (too many header lines, or header block over
+MAX-HEADER-BYTES)."
+  (declare (type octets buffer) (type fixnum start end max-header-bytes))
+  (let* ((line-start (skip-blank-lines buffer start end))
+         (request-start line-start)
+         (request-line-end nil)
+         (header-lines 0))
+    (declare (type fixnum line-start header-lines))
+    (loop for position of-type fixnum from line-start below end
+          when (= (aref buffer position) +lf+)
+            do (cond ((null request-line-end)
+                      (when (> (- position request-start) (1+ +max-request-line-bytes+))
+                        (return-from scan-request-head 414))
+                      (setf request-line-end position))
+                     ((blank-line-p buffer line-start position)
+                      (when (> (- (1+ position) (1+ request-line-end)) max-header-bytes)
+                        (return-from scan-request-head 431))
+                      (return-from scan-request-head
+                        (values :complete request-start request-line-end (1+ position))))
+                     ((> (incf header-lines) +max-header-lines+)
+                      (return-from scan-request-head 431)))
+               (setf line-start (1+ position)))
+    (cond ((null request-line-end)
+           (if (> (- end request-start) (1+ +max-request-line-bytes+)) 414 :incomplete))
+          ((> (- end (1+ request-line-end)) max-header-bytes) 431)
+          (t :incomplete))))
+
+;;; Parsing a complete head.
+
+(defun token-octet-p (octet)
+  "RFC 9110 tchar: the octets of a method or a header name."
+  (declare (type (unsigned-byte 8) octet))
+  (or (<= 48 octet 57) (<= 65 octet 90) (<= 97 octet 122)
+      (find octet #.(map '(simple-array (unsigned-byte 8) (*)) #'char-code "!#$%&'*+-.^_`|~"))))
+
+(defun field-octet-p (octet)
+  "Octets allowed in a header value: visible characters, space, tab, obs-text."
+  (declare (type (unsigned-byte 8) octet))
+  (or (= octet 9) (<= 32 octet 126) (<= 128 octet)))
+
+(defun octets-to-string (buffer start end)
+  "The Latin-1 string of BUFFER from START below END, as Hunchentoot decodes heads."
+  (declare (type octets buffer) (type fixnum start end))
+  (let ((string (make-string (- end start))))
+    (loop for index from start below end
+          for position from 0
+          do (setf (schar string position) (code-char (aref buffer index))))
+    string))
+
+(defun head-symbol (buffer start end)
+  "The keyword naming the token in BUFFER from START below END, upcased, as
+Hunchentoot names methods and header names, if that keyword exists; else an
+uninterned symbol of the same name.  Interning every name a client makes up
+would grow the keyword package without bound (Hunchentoot issue #24);
+HUNCHENTOOT:HEADER-IN still finds an uninterned name when given a string,
+and a keyword exists for every name that code mentions."
+  (let ((name (make-string (- end start) :element-type 'base-char)))
+    (loop for index from start below end
+          for position from 0
+          do (setf (schar name position) (char-upcase (code-char (aref buffer index)))))
+    (or (find-symbol name "KEYWORD") (make-symbol name))))
+
+(defun line-end-before-lf (buffer line-start lf-position)
+  "The end of the line whose LF is at LF-POSITION, without its CR."
+  (if (and (> lf-position line-start) (= (aref buffer (1- lf-position)) +cr+))
+      (1- lf-position)
+      lf-position))
+
+(defun trim-field (buffer start end)
+  "START and END of the field from START below END without surrounding spaces and tabs."
+  (loop while (and (< start end) (member (aref buffer start) '(9 32))) do (incf start))
+  (loop while (and (< start end) (member (aref buffer (1- end)) '(9 32))) do (decf end))
+  (values start end))
+
+(defun parse-protocol (buffer start end)
+  ":HTTP/1.1, :HTTP/1.0, 505 for another HTTP version, 400 for anything else."
+  (let ((length (- end start)))
+    (cond ((and (= length 8)
+                (loop for octet across #.(map 'vector #'char-code "HTTP/1.")
+                      for index from start
+                      always (= octet (aref buffer index))))
+           (case (aref buffer (+ start 7))
+             (49 :http/1.1)
+             (48 :http/1.0)
+             (t (if (<= 48 (aref buffer (+ start 7)) 57) 505 400))))
+          ((and (= length 8)
+                (loop for octet across #.(map 'vector #'char-code "HTTP/")
+                      for index from start
+                      always (= octet (aref buffer index)))
+                (<= 48 (aref buffer (+ start 5)) 57)
+                (= (aref buffer (+ start 6)) 46)
+                (<= 48 (aref buffer (+ start 7)) 57))
+           505)
+          (t 400))))
+
+(defun parse-request-line (buffer start end)
+  "The method symbol, URI string and protocol keyword of the request line in
+BUFFER from START below END; or 400 or 505."
+  (let ((method-end (or (position 32 buffer :start start :end end) end)))
+    (when (or (= method-end start) (= method-end end)
+              (not (loop for index from start below method-end
+                         always (token-octet-p (aref buffer index)))))
+      (return-from parse-request-line 400))
+    (let* ((uri-start (1+ method-end))
+           (uri-end (or (position 32 buffer :start uri-start :end end) end))
+           (protocol-start (1+ uri-end)))
+      (when (or (= uri-start uri-end) (>= uri-end end)
+                (not (loop for index from uri-start below uri-end
+                           always (<= 33 (aref buffer index) 126))))
+        (return-from parse-request-line 400))
+      (let ((protocol (parse-protocol buffer protocol-start end)))
+        (if (integerp protocol)
+            protocol
+            (values (head-symbol buffer start method-end)
+                    (octets-to-string buffer uri-start uri-end)
+                    protocol))))))
+
+(defun add-header (headers name value)
+  "HEADERS with NAME: VALUE added.  A repeated name joins its values with
+commas, as Hunchentoot (through Chunga) does; two Content-Length headers
+must agree, or the head is refused as a smuggling attempt (400)."
+  (let ((existing (assoc (symbol-name name) headers :key #'symbol-name :test #'string=)))
+    (cond ((null existing) (cons (cons name value) headers))
+          ((eq name :content-length)
+           (if (string= (cdr existing) value) headers (throw 'bad-head 400)))
+          (t (setf (cdr existing) (concatenate 'string (cdr existing) "," value))
+             headers))))
+
+(defun parse-header-lines (buffer start end)
+  "The headers alist of the header lines in BUFFER from START (just past the
+request line) below END (the blank line's LF).  Throws BAD-HEAD 400 for a
+line that is not NAME: VALUE, a name followed by whitespace before its colon,
+a folded line, or a control character in a value."
+  (loop with headers = '()
+        for line-start = start then (1+ lf-position)
+        for lf-position = (position +lf+ buffer :start line-start :end end)
+        while lf-position
+        do (let* ((line-end (line-end-before-lf buffer line-start lf-position))
+                  (colon (position 58 buffer :start line-start :end line-end)))
+             (when (or (null colon) (= colon line-start)
+                       (not (loop for index from line-start below colon
+                                  always (token-octet-p (aref buffer index)))))
+               (throw 'bad-head 400))
+             (multiple-value-bind (value-start value-end) (trim-field buffer (1+ colon) line-end)
+               (unless (loop for index from value-start below value-end
+                             always (field-octet-p (aref buffer index)))
+                 (throw 'bad-head 400))
+               (setf headers (add-header headers
+                                         (head-symbol buffer line-start colon)
+                                         (octets-to-string buffer value-start value-end)))))
+        finally (return (nreverse headers))))
+
+(defun check-message-framing (headers)
+  "Refuse (400) a head whose body length is ambiguous, the request smuggling
+vectors of RFC 9112 6.3: Content-Length together with Transfer-Encoding, a
+Content-Length that is not a decimal number, or a Transfer-Encoding whose
+last coding is not chunked."
+  (let ((content-length (cdr (assoc :content-length headers)))
+        (transfer-encoding (cdr (assoc :transfer-encoding headers))))
+    (when (and content-length transfer-encoding)
+      (throw 'bad-head 400))
+    (when (and content-length
+               (or (zerop (length content-length))
+                   (> (length content-length) 18)
+                   (notevery #'digit-char-p content-length)))
+      (throw 'bad-head 400))
+    (when (and transfer-encoding
+               (not (let ((last-comma (position #\, transfer-encoding :from-end t)))
+                      (string-equal "chunked"
+                                    (string-trim '(#\Space #\Tab)
+                                                 (subseq transfer-encoding
+                                                         (if last-comma (1+ last-comma) 0)))))))
+      (throw 'bad-head 400))))
+
+(defun parse-request-head (buffer request-start request-line-end head-end)
+  "Parse the complete head that SCAN-REQUEST-HEAD found.  Returns the headers
+alist, the method symbol, the URI and the protocol keyword, as Hunchentoot's
+GET-REQUEST-DATA does; or a status code alone: 400 (malformed) or 505."
+  (catch 'bad-head
+    (multiple-value-bind (method uri protocol)
+        (parse-request-line buffer request-start
+                            (line-end-before-lf buffer request-start request-line-end))
+      (if (integerp method)
+          method
+          (let* ((blank-line-start (if (= (aref buffer (- head-end 2)) +cr+) (- head-end 2) (1- head-end)))
+                 (headers (parse-header-lines buffer (1+ request-line-end) blank-line-start)))
+            (check-message-framing headers)
+            (values headers method uri protocol))))))
+
+(defun request-has-body-p (headers)
+  (let ((content-length (cdr (assoc :content-length headers))))
+    (or (assoc :transfer-encoding headers)
+        (and content-length (string/= content-length "0")))))
+
+(defun expects-continue-p (headers)
+  (let ((expect (cdr (assoc :expect headers))))
+    (and expect (search "100-continue" expect :test #'char-equal))))
+
+;;; The replies a refused head gets.
+
+(defun make-error-reply (status reason explanation)
+  (let* ((body (format nil "<html><head><title>~D ~A</title></head><body><h1>~A</h1><p>~A</p></body></html>"
+                       status reason reason explanation))
+         (crlf (coerce '(#\Return #\Linefeed) 'string)))
+    (map 'octets #'char-code
+         (format nil "HTTP/1.1 ~D ~A~AContent-Type: text/html; charset=iso-8859-1~A~
+                      Content-Length: ~D~AConnection: close~A~A~A"
+                 status reason crlf crlf (length body) crlf crlf crlf body))))
+
+(defparameter *head-error-replies*
+  (list (cons 400 (make-error-reply 400 "Bad Request" "The request head could not be interpreted."))
+        (cons 408 (make-error-reply 408 "Request Timeout" "The request head did not arrive in time."))
+        (cons 414 (make-error-reply 414 "URI Too Long" "The request line is longer than 8 KiB."))
+        (cons 431 (make-error-reply 431 "Request Header Fields Too Large"
+                                    "The request has too many header lines, or they are too long."))
+        (cons 505 (make-error-reply 505 "HTTP Version Not Supported" "Use HTTP/1.0 or HTTP/1.1.")))
+  "Status code -> the whole reply, status line to body, sent to a connection
+whose head is refused before it is closed.")
+
+(defun head-error-reply (status)
+  (cdr (assoc status *head-error-replies*)))
+
+(defparameter *continue-reply*
+  (map 'octets #'char-code (format nil "HTTP/1.1 100 Continue~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed))
+  "Sent before the handler runs when a request carries Expect: 100-continue,
+as Hunchentoot does.")
