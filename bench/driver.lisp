@@ -7,6 +7,7 @@
 (defparameter *servers*
   '((:name "hunchentoot" :label "Hunchentoot easy-acceptor" :lisp :hunchentoot)
     (:name "parallel" :label "parallel-easy-acceptor" :lisp :parallel)
+    (:name "parallel-blocking" :label "parallel, blocking engine" :lisp :parallel-blocking)
     (:name "parallel-standby-2xcores" :label "parallel, standby = 2 x cores"
      :lisp :parallel-standby-2x-cores)
     (:name "aserve" :label "Portable AllegroServe" :lisp :aserve)

@@ -82,6 +82,8 @@ last reset, on one line."
   (ecase kind
     (:hunchentoot (start-hunchentoot port 'ht:easy-acceptor))
     (:parallel (start-hunchentoot port 'hrt:parallel-easy-acceptor))
+    (:parallel-blocking
+     (start-hunchentoot port 'hrt:parallel-easy-acceptor :connection-engine :blocking))
     (:parallel-standby-2x-cores
      (start-hunchentoot port 'hrt:parallel-easy-acceptor
                         :taskmaster (make-instance 'hrt:recycling-taskmaster

@@ -1,0 +1,302 @@
+;;;; The readiness-set engine over the wire: limits answered with their
+;;;; status, pipelining, parked connections, their timeouts, and STOP.
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite readiness :in all :description "The readiness-set engine: parked connections and head limits.")
+(in-suite readiness)
+
+(ht:define-easy-handler (test-header :uri "/test/header") (name)
+  (setf (ht:content-type*) "text/plain")
+  (or (ht:header-in* name) "none"))
+
+(ht:define-easy-handler (test-echo-n :uri "/test/n") (n)
+  (setf (ht:content-type*) "text/plain")
+  n)
+
+(defun readiness-server (&rest initargs)
+  (apply #'make-server 'parallel-easy-acceptor :connection-engine :readiness-set initargs))
+
+(defmacro with-readiness-server ((var &rest initargs) &body body)
+  `(with-thread-leak-check ()
+     (with-server (,var (readiness-server ,@initargs))
+       ,@body)))
+
+(defmacro with-connection ((var server) &body body)
+  `(let ((,var (connect ,server)))
+     (unwind-protect (progn ,@body)
+       (ignore-errors (usocket:socket-close ,var)))))
+
+(defun get-request (path &rest headers)
+  (apply #'crlf-lines (format nil "GET ~A HTTP/1.1" path) "Host: localhost" (append headers '(""))))
+
+(defun refused-with (server text)
+  "The status SERVER answers TEXT with on a new connection, and whether it
+then closed the connection."
+  (with-connection (socket server)
+    (ignore-errors (send-text socket text))
+    (let ((status (read-response socket)))
+      (values status (closed-by-server-p socket)))))
+
+(defun connections-parked-p (server count)
+  (wait-until (lambda () (= count (stats server :parked-connections)))))
+
+;;; Limits.
+
+(test limits.each-refused-head-gets-its-status-and-is-closed
+  (with-readiness-server (server)
+    (flet ((check (status key text)
+             (multiple-value-bind (answer closed-p) (refused-with server text)
+               (is (eql status answer) "~A: expected ~D, got ~S" key status answer)
+               (is-true closed-p "~A: the connection is closed" key)
+               (is (= 1 (stats server key)) "~A counted" key))))
+      (check 414 :uri-too-long-replies
+             (get-request (format nil "/~A" (make-string 9000 :initial-element #\a))))
+      (check 431 :header-too-large-replies
+             (get-request "/test/yo" (format nil "X-Big: ~A" (make-string 17000 :initial-element #\b))))
+      (check 400 :bad-request-replies (get-request "/test/yo" "No colon here"))
+      (check 505 :version-not-supported-replies (crlf-lines "GET / HTTP/2.0" "Host: x" "")))))
+
+(test limits.too-many-header-lines-is-431
+  (with-readiness-server (server)
+    (is (eql 431 (refused-with server (apply #'get-request "/test/yo"
+                                             (loop for i below 101 collect (format nil "X-~D: ~D" i i))))))))
+
+(test limits.ambiguous-body-length-is-400
+  (with-readiness-server (server)
+    (is (eql 400 (refused-with server (crlf-lines "POST /test/body HTTP/1.1" "Host: x"
+                                                  "Content-Length: 5" "Transfer-Encoding: chunked"
+                                                  "" "5" "hello" "0" ""))))
+    (is (eql 400 (refused-with server (crlf-lines "POST /test/body HTTP/1.1" "Host: x"
+                                                  "Content-Length: 5" "Content-Length: 7" "" "hello!!"))))
+    (is (= 2 (stats server :bad-request-replies)))))
+
+(test limits.slow-head-is-408-at-the-header-timeout
+  (with-readiness-server (server :header-timeout 1)
+    (with-connection (silent server)
+      (with-connection (partial server)
+        (send-text partial (concatenate 'string (crlf-lines "GET /test/yo HTTP/1.1") "Host: loc"))
+        (let ((start (get-internal-real-time)))
+          (is (eql 408 (read-response partial :timeout 5)))
+          (is (eql 408 (read-response silent :timeout 5)) "a connection that sends nothing too")
+          (is (<= 0.9 (/ (- (get-internal-real-time) start) internal-time-units-per-second) 2.5)))
+        (is-true (closed-by-server-p partial))
+        (is (= 2 (stats server :header-timeout-replies)))))))
+
+(test limits.refusals-end-only-their-connection
+  (with-readiness-server (server)
+    (with-connection (kept-alive server)
+      (send-text kept-alive (get-request "/test/yo"))
+      (is (eql 200 (read-response kept-alive)))
+      (is (eql 400 (refused-with server (get-request "/test/yo" "Bad header"))))
+      (is (eql 414 (refused-with server (get-request (make-string 9000 :initial-element #\a)))))
+      (send-text kept-alive (get-request "/test/yo"))
+      (is (eql 200 (read-response kept-alive)) "the kept-alive connection still works"))))
+
+;;; Heads that arrive in pieces, and pipelined requests.
+
+(test pipelining.requests-are-answered-in-order
+  (with-readiness-server (server)
+    (with-connection (socket server)
+      (send-text socket (concatenate 'string (get-request "/test/n?n=1") (get-request "/test/n?n=2")
+                                     (get-request "/test/n?n=3")))
+      (is (equal '("1" "2" "3")
+                 (loop repeat 3 collect (nth-value 1 (read-response socket))))))))
+
+(test pipelining.body-then-next-request
+  (with-readiness-server (server)
+    (with-connection (socket server)
+      (send-text socket (concatenate 'string
+                                     (crlf-lines "POST /test/body HTTP/1.1" "Host: x"
+                                                 "Content-Type: application/octet-stream"
+                                                 "Content-Length: 5" "")
+                                     "hello"
+                                     (crlf-lines "POST /test/body HTTP/1.1" "Host: x"
+                                                 "Content-Type: application/octet-stream"
+                                                 "Transfer-Encoding: chunked" ""
+                                                 "3" "abc" "0" "")
+                                     (get-request "/test/n?n=last")))
+      (is (equal (format nil "5 ~D" (reduce #'+ (map 'list #'char-code "hello")))
+                 (nth-value 1 (read-response socket))))
+      (is (equal (format nil "3 ~D" (reduce #'+ (map 'list #'char-code "abc")))
+                 (nth-value 1 (read-response socket))))
+      (is (equal "last" (nth-value 1 (read-response socket)))))))
+
+(test pipelining.head-arriving-byte-by-byte
+  (with-readiness-server (server)
+    (with-connection (socket server)
+      (loop for char across (get-request "/test/n?n=slow")
+            do (send-text socket (string char))
+               (sleep 0.002))
+      (is (equal "slow" (nth-value 1 (read-response socket))))
+      (is (zerop (stats server :header-timeout-replies))))))
+
+(test pipelining.expect-100-continue
+  (with-readiness-server (server)
+    (with-connection (socket server)
+      (send-text socket (crlf-lines "POST /test/body HTTP/1.1" "Host: x" "Expect: 100-continue"
+                                    "Content-Type: application/octet-stream" "Content-Length: 2" ""))
+      (let ((stream (usocket:socket-stream socket)))
+        (is (equal (format nil "HTTP/1.1 100 Continue~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed)
+                   (map 'string #'code-char (loop repeat 25 collect (read-byte stream))))))
+      (send-text socket "hi")
+      (is (equal (format nil "2 ~D" (+ (char-code #\h) (char-code #\i)))
+                 (nth-value 1 (read-response socket)))))))
+
+(test headers.made-up-names-work-by-string-and-are-not-interned
+  (with-readiness-server (server)
+    (let ((name (format nil "X-Test-~36R" (random (expt 2 64)))))
+      (with-connection (socket server)
+        (send-text socket (get-request (format nil "/test/header?name=~A" name) (format nil "~A: seen" name)))
+        (is (equal "seen" (nth-value 1 (read-response socket)))))
+      (is (null (find-symbol (string-upcase name) "KEYWORD"))))))
+
+;;; Parked connections.
+
+(test parking.idle-connections-hold-no-thread
+  (with-readiness-server (server :taskmaster (make-instance 'recycling-taskmaster
+                                                            :standby-thread-count 1
+                                                            :max-thread-count 2
+                                                            :max-accept-count 3))
+    (let ((sockets (loop repeat 50 collect (connect server))))
+      (unwind-protect
+           (progn
+             (dolist (socket sockets)
+               (send-text socket (get-request "/test/yo"))
+               (is (eql 200 (read-response socket))))
+             (is-true (connections-parked-p server 50))
+             (is (<= (stats server :threads) 2))
+             (is (= 0 (stats server :connections-rejected)))
+             (with-connection (newcomer server)
+               (send-text newcomer (get-request "/test/yo"))
+               (is (eql 200 (read-response newcomer)) "a new client is served past 50 idle ones"))
+             (dolist (socket sockets)
+               (send-text socket (get-request "/test/yo")))
+             (is (every (lambda (socket) (eql 200 (read-response socket))) sockets)
+                 "every idle connection is served again"))
+        (mapc #'usocket:socket-close sockets)))))
+
+(test parking.kept-alive-connection-closes-after-keep-alive-timeout
+  (with-readiness-server (server :keep-alive-timeout 1)
+    (with-connection (socket server)
+      (send-text socket (get-request "/test/yo"))
+      (is (eql 200 (read-response socket)))
+      (is-true (connections-parked-p server 1))
+      (is (= 0 (stats server :busy-threads)) "no worker holds the parked connection")
+      (sleep 0.5)
+      (send-text socket (get-request "/test/yo"))
+      (is (eql 200 (read-response socket)) "a request before the timeout is served")
+      (let ((start (get-internal-real-time)))
+        (is (wait-until (lambda () (= 1 (stats server :keep-alive-timeouts))) :timeout 3))
+        (is (<= 0.9 (/ (- (get-internal-real-time) start) internal-time-units-per-second) 2)))
+      (is-true (closed-by-server-p socket))
+      (is (= 0 (stats server :header-timeout-replies)) "closed without a 408"))))
+
+(test parking.slow-clients-do-not-delay-others
+  ;; Slowloris in small: 100 connections trickle their heads while four
+  ;; workers at most serve a normal client.
+  (with-readiness-server (server :header-timeout 2
+                                 :taskmaster (make-instance 'recycling-taskmaster
+                                                            :standby-thread-count 2
+                                                            :max-thread-count 4
+                                                            :max-accept-count 5))
+    (let ((slow (loop repeat 100 collect (connect server)))
+          (deadline (+ (get-internal-real-time) (* 3 internal-time-units-per-second))))
+      (unwind-protect
+           (progn
+             (dolist (socket slow) (send-text socket (crlf-lines "GET /test/yo HTTP/1.1")))
+             (loop for i from 0
+                   while (< (get-internal-real-time) deadline)
+                   do (dolist (socket slow)
+                        (ignore-errors (send-text socket (format nil "X-~D: ~D~C~C" i i #\Return #\Linefeed))))
+                      (is (eql 200 (http-get server "/test/yo")))
+                      (sleep 0.2))
+             (is (every (lambda (socket) (eql 408 (read-response socket :timeout 2))) slow)
+                 "every slow client got 408")
+             (is (= 100 (stats server :header-timeout-replies)))
+             (is (<= (stats server :peak-threads) 4)))
+        (dolist (socket slow)
+          (ignore-errors (usocket:socket-close socket)))))))
+
+(test stop.closes-parked-connections-at-once
+  (with-thread-leak-check ()
+    (let ((server (readiness-server))
+          (sockets '()))
+      (ht:start server)
+      (unwind-protect
+           (progn
+             (setf sockets (loop repeat 40 collect (connect server)))
+             (loop for socket in sockets
+                   for i from 0
+                   do (send-text socket (if (evenp i)
+                                            (get-request "/test/yo")
+                                            (concatenate 'string (crlf-lines "GET /test/yo HTTP/1.1")
+                                                         "Host: lo"))))
+             (loop for socket in sockets
+                   for i from 0
+                   when (evenp i) do (is (eql 200 (read-response socket))))
+             (is-true (connections-parked-p server 40))
+             (let ((start (get-internal-real-time)))
+               (ht:stop server)
+               (is (< (- (get-internal-real-time) start) (/ internal-time-units-per-second 2))
+                   "stop does not wait for parked connections"))
+             (is (every #'closed-by-server-p sockets))
+             (is (= 0 (stats server :parked-connections)))
+             (is (= 0 (stats server :open-connections))))
+        (mapc #'usocket:socket-close sockets)
+        (when (ht:started-p server) (ht:stop server))))))
+
+;;; TLS.
+
+(defun tls-connect (server)
+  "A TLS client stream to SERVER, and its socket."
+  (let ((socket (connect server)))
+    (values (cl+ssl:make-ssl-client-stream (usocket:socket-stream socket) :verify nil)
+            socket)))
+
+(defun read-stream-response (stream)
+  "Status and body of one Content-Length response read from STREAM."
+  (let ((octets (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer t)))
+    (loop for total = (response-complete-p octets)
+          until total
+          do (vector-push-extend (read-byte stream) octets)
+          finally (let ((text (flex:octets-to-string octets :end total :external-format :latin-1)))
+                    (return (values (parse-integer text :start 9 :end 12)
+                                    (subseq text (+ 4 (search (format nil "~C~C~C~C" #\Return #\Linefeed
+                                                                      #\Return #\Linefeed)
+                                                              text)))))))))
+
+(test tls.pipelined-and-split-heads
+  (with-thread-leak-check ()
+    (multiple-value-bind (certificate key) (certificate-files)
+      (with-server (server (make-server 'parallel-easy-ssl-acceptor
+                                        :connection-engine :readiness-set
+                                        :ssl-certificate-file certificate :ssl-privatekey-file key))
+        (multiple-value-bind (stream socket) (tls-connect server)
+          (unwind-protect
+               (flet ((send (text)
+                        (write-sequence (flex:string-to-octets text) stream)
+                        (finish-output stream)))
+                 (send (concatenate 'string (get-request "/test/n?n=1") (get-request "/test/n?n=2")))
+                 (is (equal "1" (nth-value 1 (read-stream-response stream))))
+                 (is (equal "2" (nth-value 1 (read-stream-response stream))))
+                 (is-true (connections-parked-p server 1))
+                 (send (concatenate 'string (crlf-lines "GET /test/n?n=3 HTTP/1.1") "Ho"))
+                 (sleep 0.2)
+                 (send (crlf-lines "st: x" ""))
+                 (is (equal "3" (nth-value 1 (read-stream-response stream)))))
+            (ignore-errors (close stream))
+            (usocket:socket-close socket)))))))
+
+;;; Configuration.
+
+(test config.acceptor-rejects-impossible-values
+  (flet ((rejected-p (&rest initargs)
+           (handler-case (progn (apply #'make-instance 'parallel-easy-acceptor initargs) nil)
+             (invalid-acceptor-configuration (condition)
+               (and (search "PARALLEL-ACCEPTOR" (princ-to-string condition)) t)))))
+    (is (rejected-p :connection-engine :threads))
+    (is (rejected-p :header-timeout 0))
+    (is (rejected-p :keep-alive-timeout -1))
+    (is (rejected-p :max-header-bytes 10))
+    (is (not (rejected-p :connection-engine :blocking :header-timeout 0.5)))))

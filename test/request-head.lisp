@@ -1,0 +1,138 @@
+;;;; The request-head reader on its own: finding a head's end in octets,
+;;;; the size limits, and the parse into Hunchentoot's request parts.
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite request-head :in all :description "Request heads read from octets.")
+(in-suite request-head)
+
+(defun head-octets (&rest lines)
+  (flex:string-to-octets (apply #'crlf-lines lines) :external-format :latin-1))
+
+(defun scan-head (octets &key (max-header-bytes 16384))
+  "SCAN-REQUEST-HEAD's values for the whole of OCTETS, as a list."
+  (multiple-value-list
+   (hunchentoot-recycling-taskmaster::scan-request-head octets 0 (length octets) max-header-bytes)))
+
+(defun parse-head (&rest lines)
+  "The parse of the head made of LINES (a blank line is added), as a list:
+headers, method, URI, protocol; or the status code alone."
+  (let ((octets (apply #'head-octets (append lines '("")))))
+    (destructuring-bind (status &optional request-start request-line-end head-end) (scan-head octets)
+      (if (eq status :complete)
+          (multiple-value-list
+           (hunchentoot-recycling-taskmaster::parse-request-head octets request-start
+                                                                 request-line-end head-end))
+          (list status)))))
+
+(defun parse-status (&rest lines)
+  "The status code a head of LINES is refused with, or :ACCEPTED."
+  (let ((result (apply #'parse-head lines)))
+    (if (integerp (first result)) (first result) :accepted)))
+
+(test head.complete-get-is-parsed
+  (destructuring-bind (headers method uri protocol)
+      (parse-head "GET /a/b?c=d HTTP/1.1" "Host: example.org" "Accept:  text/plain  ")
+    (is (equal '((:host . "example.org") (:accept . "text/plain")) headers))
+    (is (eq :get method))
+    (is (equal "/a/b?c=d" uri))
+    (is (eq :http/1.1 protocol))))
+
+(test head.every-proper-prefix-is-incomplete
+  (let ((octets (head-octets "GET / HTTP/1.1" "Host: x" "")))
+    (is (loop for end from 0 below (length octets)
+              always (eq :incomplete
+                         (hunchentoot-recycling-taskmaster::scan-request-head octets 0 end 16384))))
+    (is (eq :complete (first (scan-head octets))))))
+
+(test head.bare-lf-and-leading-blank-lines-are-accepted
+  (let ((octets (flex:string-to-octets (format nil "~%~C~%GET / HTTP/1.0~%Host: x~%~%" #\Return)
+                                       :external-format :latin-1)))
+    (destructuring-bind (status request-start request-line-end head-end) (scan-head octets)
+      (is (eq :complete status))
+      (is (= (length octets) head-end))
+      (destructuring-bind (headers method uri protocol)
+          (multiple-value-list (hunchentoot-recycling-taskmaster::parse-request-head
+                                octets request-start request-line-end head-end))
+        (is (equal '((:host . "x")) headers))
+        (is (eq :get method))
+        (is (equal "/" uri))
+        (is (eq :http/1.0 protocol))))))
+
+(test head.request-line-limit-is-8-kib
+  (flet ((line-of (length)
+           (format nil "GET /~A HTTP/1.1" (make-string (- length 14) :initial-element #\a))))
+    (is (= 8192 (length (line-of 8192))))
+    (is (eq :accepted (parse-status (line-of 8192) "Host: x")))
+    (is (eql 414 (parse-status (line-of 8193) "Host: x")))
+    (is (eql 414 (first (scan-head (flex:string-to-octets (line-of 9000)))))
+        "a request line still arriving is refused once it is too long")))
+
+(test head.header-block-limit-is-configurable
+  (let ((big-header (format nil "X-Big: ~A" (make-string 2000 :initial-element #\b))))
+    (is (eq :complete (first (scan-head (head-octets "GET / HTTP/1.1" big-header "")))))
+    (is (eql 431 (first (scan-head (head-octets "GET / HTTP/1.1" big-header "") :max-header-bytes 1024))))
+    (is (eql 431 (first (scan-head (head-octets "GET / HTTP/1.1" big-header) :max-header-bytes 1024)))
+        "a header block still arriving is refused once it is too large")
+    (is (eql 431 (apply #'parse-status "GET / HTTP/1.1"
+                        (loop repeat 9 collect big-header)))
+        "the default limit is 16 KiB")))
+
+(test head.at-most-100-header-lines
+  (flet ((lines (count) (loop for i below count collect (format nil "X-~D: ~D" i i))))
+    (is (eq :accepted (apply #'parse-status "GET / HTTP/1.1" (lines 100))))
+    (is (eql 431 (apply #'parse-status "GET / HTTP/1.1" (lines 101))))))
+
+(test head.malformed-heads-are-400
+  (dolist (lines `(("GET / HTTP/1.1" "Host x")
+                   ("GET / HTTP/1.1" "Host : x")
+                   ("GET / HTTP/1.1" ": x")
+                   ("GET / HTTP/1.1" "X-A: a" " folded")
+                   ("GET / HTTP/1.1" ,(format nil "X-A: a~Cb" (code-char 1)))
+                   ("G(ET / HTTP/1.1")
+                   ("GET /")
+                   ("GET  / HTTP/1.1")
+                   (,(format nil "GET /caf~C HTTP/1.1" (code-char 233)))
+                   ("GET / FTP/1.1")
+                   (" GET / HTTP/1.1")))
+    (is (eql 400 (apply #'parse-status lines)) "~S" lines)))
+
+(test head.other-http-versions-are-505
+  (is (eql 505 (parse-status "GET / HTTP/2.0")))
+  (is (eql 505 (parse-status "GET / HTTP/1.2")))
+  (is (eq :accepted (parse-status "GET / HTTP/1.0"))))
+
+(test head.ambiguous-body-length-is-400
+  (is (eql 400 (parse-status "POST / HTTP/1.1" "Content-Length: 5" "Transfer-Encoding: chunked")))
+  (is (eql 400 (parse-status "POST / HTTP/1.1" "Content-Length: 5" "Content-Length: 6")))
+  (is (eql 400 (parse-status "POST / HTTP/1.1" "Content-Length: -5")))
+  (is (eql 400 (parse-status "POST / HTTP/1.1" "Content-Length: 5, 5")))
+  (is (eql 400 (parse-status "POST / HTTP/1.1" "Transfer-Encoding: gzip")))
+  (is (eq :accepted (parse-status "POST / HTTP/1.1" "Transfer-Encoding: gzip, chunked")))
+  (is (equal '((:content-length . "5"))
+             (first (parse-head "POST / HTTP/1.1" "Content-Length: 5" "Content-Length: 5")))
+      "a repeated Content-Length that agrees is one header"))
+
+(test head.repeated-headers-are-joined
+  (is (equal '((:accept . "a,b") (:host . "x"))
+             (first (parse-head "GET / HTTP/1.1" "Accept: a" "Host: x" "accept: b")))))
+
+(test head.values-are-latin-1
+  (let ((cafe (format nil "caf~C" (code-char 233))))
+    (is (equal `((:x-name . ,cafe))
+               (first (parse-head "GET / HTTP/1.1" (format nil "X-Name: ~A" cafe)))))))
+
+(test head.made-up-names-are-not-interned
+  (let* ((header-name (format nil "X-Made-Up-~36R" (random (expt 2 64))))
+         (method-name (format nil "FROB~36R" (random (expt 2 64))))
+         (parse (parse-head (format nil "~A / HTTP/1.1" method-name) (format nil "~A: yes" header-name)
+                            "Content-Type: text/plain")))
+    (destructuring-bind (headers method uri protocol) parse
+      (declare (ignore uri protocol))
+      (is (null (find-symbol (string-upcase header-name) "KEYWORD")))
+      (is (null (find-symbol method-name "KEYWORD")))
+      (is (null (symbol-package method)))
+      (is (string= method-name (symbol-name method)))
+      (is (equal "yes" (cdr (assoc header-name headers :test #'string-equal)))
+          "found by its name, as HUNCHENTOOT:HEADER-IN finds a header named by a string")
+      (is (eq :content-type (car (second headers))) "known names are keywords"))))
