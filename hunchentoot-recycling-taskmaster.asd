@@ -41,12 +41,14 @@ easy-acceptor and ours, and the thread-pool tests."
                (error "hunchentoot-recycling-taskmaster: tests failed"))))
 
 (defsystem "hunchentoot-recycling-taskmaster/bench"
-  :description "Benchmark servers started in their own process by bench/run."
+  :description "Benchmark servers started in their own process by bench/run,
+the wrk matrix that measures them, and the many-connection loads."
   :depends-on ("hunchentoot-recycling-taskmaster" "aserve" "cl-ppcre" "usocket")
   :pathname "bench/"
   :serial t
   :components ((:file "server")
-               (:file "driver")))
+               (:file "driver")
+               (:file "connections")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
   :description "The demo server that `make run` starts."

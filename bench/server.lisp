@@ -1,11 +1,12 @@
 ;;;; The Lisp benchmark servers.  bench/run starts each in its own process
 ;;;; with SERVE; every one answers GET /yo with 200 text/plain "Hey!" and
-;;;; GET /bench-stats with counters the driver reads around a measurement.
+;;;; GET /bench-stats with counters the driver reads around a measurement;
+;;;; ours also answer GET /pool-stats with TASKMASTER-STATISTICS.
 
 (defpackage #:hunchentoot-recycling-taskmaster-bench
   (:use #:cl)
   (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster))
-  (:export #:serve #:run-benchmarks))
+  (:export #:serve #:run-benchmarks #:run-connection-load))
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
@@ -51,9 +52,17 @@ last reset, on one line."
   (setf (ht:content-type*) "text/plain")
   (stats-text reset))
 
+(defvar *acceptor* nil "The Hunchentoot acceptor this process serves with, if any.")
+
+(ht:define-easy-handler (pool-stats :uri "/pool-stats") ()
+  (setf (ht:content-type*) "text/plain")
+  (let ((*print-readably* nil))
+    (prin1-to-string (and (typep *acceptor* 'hrt:parallel-acceptor)
+                          (hrt:taskmaster-statistics *acceptor*)))))
+
 (defun start-hunchentoot (port class &rest initargs)
-  (ht:start (apply #'make-instance class :address "127.0.0.1" :port port
-                                         :access-log-destination nil initargs)))
+  (setf *acceptor* (ht:start (apply #'make-instance class :address "127.0.0.1" :port port
+                                                          :access-log-destination nil initargs))))
 
 ;;; Portable AllegroServe.
 

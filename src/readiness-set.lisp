@@ -32,7 +32,7 @@
   ;; The octets that arrived and are not yet answered (part of a head, or
   ;; pipelined requests), or NIL.
   (pending nil)
-  ;; True once the descriptor is in the epoll set.
+  ;; True once the descriptor has been added to the epoll set.
   (armed-p nil)
   ;; Internal real time at which a parked connection is ended.
   (deadline 0 :type fixnum)
@@ -166,18 +166,24 @@ when it is gone or another thread took it."
          connection)))
 
 (defun park-connection (set connection deadline timeout-status)
-  "Give up CONNECTION until bytes arrive or DEADLINE passes.  False when the
-descriptor could not be armed (the caller still holds the connection)."
-  (setf (connection-deadline connection) deadline
-        (connection-timeout-status connection) timeout-status
-        (connection-state connection) :parked)
-  (atomic-increment (readiness-set-parked-count set))
-  (or (if (connection-armed-p connection)
-          (epoll-rearm (readiness-set-epoll-fd set) (connection-fd connection) (connection-token connection))
-          (setf (connection-armed-p connection)
-                (epoll-watch (readiness-set-epoll-fd set) (connection-fd connection)
-                             (connection-token connection) :one-shot t)))
-      (progn (take-parked-connection set connection) nil)))
+  "Give up CONNECTION until bytes arrive or DEADLINE passes.  True when it is
+parked (and may already be another thread's); false when the descriptor
+could not be armed and the caller still holds the connection."
+  (let ((first-time-p (not (connection-armed-p connection))))
+    ;; Everything the next holder reads is written before arming: once
+    ;; armed, the connection may be taken before epoll_ctl even returns.
+    (setf (connection-deadline connection) deadline
+          (connection-timeout-status connection) timeout-status
+          (connection-armed-p connection) t
+          (connection-state connection) :parked)
+    (atomic-increment (readiness-set-parked-count set))
+    (or (if first-time-p
+            (epoll-watch (readiness-set-epoll-fd set) (connection-fd connection)
+                         (connection-token connection) :one-shot t)
+            (epoll-rearm (readiness-set-epoll-fd set) (connection-fd connection)
+                         (connection-token connection)))
+        ;; Not armed; the sweeper may have taken it at its deadline meanwhile.
+        (not (take-parked-connection set connection)))))
 
 (defun map-parked-connections (set function)
   "Call FUNCTION on every connection parked in SET now.  It is not taken: it
