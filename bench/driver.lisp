@@ -8,13 +8,21 @@
   '((:name "hunchentoot" :label "Hunchentoot easy-acceptor" :lisp :hunchentoot)
     (:name "parallel" :label "parallel-easy-acceptor" :lisp :parallel)
     (:name "parallel-blocking" :label "parallel, blocking engine" :lisp :parallel-blocking)
-    (:name "parallel-standby-2xcores" :label "parallel, standby = 2 x cores"
-     :lisp :parallel-standby-2x-cores)
     (:name "aserve" :label "Portable AllegroServe" :lisp :aserve)
     (:name "nginx" :label "nginx, 2 workers" :nginx t))
   "The servers measured, in table and chart order.  The first is the baseline
 that every ratio is taken against.  A :LISP server is a kind that SERVE
 starts in a process of its own; :NGINX runs Debian's nginx.")
+
+(defparameter *grace-servers*
+  '((:name "park-at-once" :label "park at once" :lisp :parallel-park-at-once)
+    (:name "try-once" :label "one read without waiting, then park" :lisp :parallel-try-once)
+    (:name "grace-1ms" :label "wait up to 1 ms, then park" :lisp :parallel-grace-1ms))
+  "What a worker does with a kept-alive connection it has just answered, as
+servers for RUN-BENCHMARKS: bench/run grace.")
+
+(defun keep-alive-workloads ()
+  (remove-if (lambda (workload) (getf workload :close)) (workloads nil)))
 
 (defun workloads (quick)
   "Every workload: handler delay, keep-alive or one request per connection,
@@ -151,10 +159,11 @@ http {
 
 ;;; One cell.
 
-(defun measure-cell (server workload &key seconds warm-seconds core directory)
+(defun measure-cell (server workload &key seconds warm-seconds core directory (round 1))
   "Start SERVER, check it, warm it, measure WORKLOAD, stop it.  A plist."
   (let* ((port (free-port))
-         (base (format nil "~Araw/~A_~A" directory (getf server :name) (workload-file-name workload)))
+         (base (format nil "~Araw/~A_~A_round~D" directory (getf server :name)
+                       (workload-file-name workload) round))
          (process (launch-server server port (getf workload :delay-ms) core
                                  (concatenate 'string base ".server.log"))))
     (unwind-protect
@@ -222,17 +231,21 @@ http {
   '(:requests-per-second :p50-ms :p99-ms :connect-errors :read-errors :write-errors
     :timeout-errors :non-2xx :bytes-consed-per-request :peak-threads))
 
+(defun rounds-field (cell)
+  "Every round's requests/s of CELL, space-separated."
+  (format nil "~{~,0F~^ ~}" (getf cell :rounds)))
+
 (defun write-csv (file results)
   "RESULTS: list of (server workload plist ratio)."
   (with-open-file (out file :direction :output :if-exists :supersede)
-    (format out "server,handler_ms,connection,connections,~{~(~A~)~^,~},ratio_to_baseline,failure~%"
+    (format out "server,handler_ms,connection,connections,~{~(~A~)~^,~},ratio_to_baseline,rounds_requests_per_second,failure~%"
             (mapcar (lambda (key) (substitute #\_ #\- (string key))) *csv-keys*))
     (loop for (server workload cell ratio) in results
-          do (format out "~A,~D,~:[keep-alive~;close~],~D,~{~A~^,~},~A,~A~%"
+          do (format out "~A,~D,~:[keep-alive~;close~],~D,~{~A~^,~},~A,~A,~A~%"
                      (getf server :name) (getf workload :delay-ms) (getf workload :close)
                      (getf workload :connections)
                      (mapcar (lambda (key) (csv-field (getf cell key))) *csv-keys*)
-                     (csv-field ratio) (or (getf cell :failed) "")))))
+                     (csv-field ratio) (rounds-field cell) (or (getf cell :failed) "")))))
 
 (defun write-chart (directory results workloads key title file-stem baseline-cells)
   "A clustered bar chart of KEY, one cluster per workload, one bar per
@@ -305,49 +318,95 @@ bw = ~F
   (multiple-value-bind (minutes seconds) (floor (round seconds) 60)
     (format nil "~Dm~2,'0Ds" minutes seconds)))
 
-(defun run-benchmarks (&key quick core (output-root "bench/results/"))
-  "Measure every server on every workload (QUICK: 2 s cells, 100 connections
-only); write the results directory and print the ratio table.  Returns the
-directory."
-  (let* ((seconds (if quick 2 10))
+(defun median-cell (cells)
+  "Of one server's cells for one workload (one per round), the one with the
+median requests/s, carrying every round's requests/s as :ROUNDS."
+  (let* ((measured (remove-if (lambda (cell) (getf cell :failed)) cells))
+         (sorted (sort (copy-list measured) #'< :key (lambda (cell) (getf cell :requests-per-second)))))
+    (if sorted
+        (list* :rounds (mapcar (lambda (cell) (getf cell :requests-per-second)) measured)
+               (nth (floor (1- (length sorted)) 2) sorted))
+        (first cells))))
+
+(defun engine-table (results workloads)
+  "Markdown: per workload, the readiness-set engine's requests/s as a ratio
+to the blocking engine's, or NIL when the run measured only one of them."
+  (flet ((rate (name workload)
+           (getf (third (find-if (lambda (result) (and (equal (getf (first result) :name) name)
+                                                       (equal (second result) workload)))
+                                 results))
+                 :requests-per-second)))
+    (when (and (find "parallel" *servers* :key (lambda (server) (getf server :name)) :test #'equal)
+               (find "parallel-blocking" *servers* :key (lambda (server) (getf server :name)) :test #'equal))
+      (with-output-to-string (out)
+        (format out "| workload | parallel / parallel-blocking |~%|---|---:|~%")
+        (dolist (workload workloads)
+          (let ((ratio (ratio-to (rate "parallel" workload) (rate "parallel-blocking" workload))))
+            (format out "| ~A | ~:[failed~;~:*~Ax~:[~; (more than 5% below)~]~] |~%"
+                    (workload-name workload) (and ratio (ratio-text ratio)) (and ratio (< ratio 0.95)))))))))
+
+(defun run-benchmarks (&key quick core (servers *servers*) (workloads (workloads quick))
+                            (rounds (if quick 1 3)) (seconds (if quick 2 5))
+                            (output-root "bench/results/"))
+  "Measure every server of SERVERS on every workload, ROUNDS times in turn
+(round by round, so that a slow minute of the machine hits every server),
+and keep each cell's median round; write the results directory and print
+the ratio tables.  QUICK: one round of 2 s cells, 100 connections only.
+Returns the directory."
+  (let* ((*servers* servers)
          (warm-seconds 2)
-         (workloads (workloads quick))
          (directory (format nil "~A~A/" output-root (utc-timestamp)))
          (cells (loop for workload in workloads
-                      append (loop for server in *servers* collect (list server workload))))
+                      append (loop for round from 1 to rounds
+                                   append (loop for server in *servers*
+                                                collect (list server workload round)))))
          (start-time (get-internal-real-time))
+         (measured (make-hash-table :test #'equal))
          (results '())
          (baseline-cells (make-hash-table :test #'equal)))
     (ensure-directories-exist (concatenate 'string directory "raw/"))
     (write-system-info (concatenate 'string directory "system-info.txt"))
-    (loop for (server workload) in cells
+    (loop for (server workload round) in cells
           for step from 1
           for cells-left = (- (length cells) step -1)
           for seconds-per-cell = (if (= step 1)
                                      (+ seconds warm-seconds 3)
                                      (/ (- (get-internal-real-time) start-time)
                                         internal-time-units-per-second (1- step)))
-          do (format t "~&[~D/~D] ~A, ~A: measuring ~D s (about ~A left)~%"
-                     step (length cells) (getf server :name) (workload-name workload) seconds
-                     (duration-text (* cells-left seconds-per-cell)))
+          do (format t "~&[~D/~D] ~A, ~A, round ~D of ~D: measuring ~D s (about ~A left)~%"
+                     step (length cells) (getf server :name) (workload-name workload) round rounds
+                     seconds (duration-text (* cells-left seconds-per-cell)))
              (finish-output)
-             (let ((cell (measure-cell server workload :seconds seconds :warm-seconds warm-seconds
-                                                       :core core :directory directory)))
-               (when (eq server (first *servers*))
-                 (setf (gethash workload baseline-cells) cell))
-               (push (list server workload cell
-                           (ratio-to (getf cell :requests-per-second)
-                                  (getf (gethash workload baseline-cells) :requests-per-second)))
-                     results)))
+             (push (measure-cell server workload :seconds seconds :warm-seconds warm-seconds
+                                                 :core core :directory directory :round round)
+                   (gethash (list (getf server :name) workload) measured)))
+    (dolist (workload workloads)
+      (dolist (server *servers*)
+        (let ((cell (median-cell (gethash (list (getf server :name) workload) measured))))
+          (when (eq server (first *servers*))
+            (setf (gethash workload baseline-cells) cell))
+          (push (list server workload cell
+                      (ratio-to (getf cell :requests-per-second)
+                                (getf (gethash workload baseline-cells) :requests-per-second)))
+                results))))
     (setf results (nreverse results))
     (write-csv (concatenate 'string directory "results.csv") results)
     (write-chart directory results workloads :requests-per-second
                  "Requests/s (log scale); labels: ratio to Hunchentoot" "requests-per-second" baseline-cells)
     (write-chart directory results workloads :p99-ms
                  "p99 latency, ms (log scale, lower is better); labels: ratio to Hunchentoot" "p99-latency" baseline-cells)
-    (let ((table (summary-table results workloads baseline-cells)))
+    (let ((table (summary-table results workloads baseline-cells))
+          (engines (engine-table results workloads)))
       (with-open-file (out (concatenate 'string directory "summary.md") :direction :output)
-        (write-string table out))
-      (format t "~&~%Requests/s, ratio to ~A in this run (~A):~%~A~%Results: ~A~%"
-              (getf (first *servers*) :name) directory table directory))
+        (format out "Requests/s, the median of ~D round~:P of ~D s per cell, as a ratio to ~A in this run:~%~%~A"
+                rounds seconds (getf (first *servers*) :name) table)
+        (when engines
+          (format out "~%The two connection engines side by side:~%~%~A" engines)))
+      (format t "~&~%Requests/s (median of ~D round~:P), ratio to ~A in this run (~A):~%~A~%~@[~A~%~]Results: ~A~%"
+              rounds (getf (first *servers*) :name) directory table engines directory))
     directory))
+
+(defun run-grace-comparison (&key core)
+  "bench/run grace: the keep-alive workloads against each choice of
+*KEEP-ALIVE-GRACE-MILLISECONDS*."
+  (run-benchmarks :core core :servers *grace-servers* :workloads (keep-alive-workloads)))

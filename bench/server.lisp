@@ -6,7 +6,7 @@
 (defpackage #:hunchentoot-recycling-taskmaster-bench
   (:use #:cl)
   (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster))
-  (:export #:serve #:run-benchmarks #:run-connection-load))
+  (:export #:serve #:run-benchmarks #:run-grace-comparison #:run-connection-load))
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
@@ -93,14 +93,11 @@ last reset, on one line."
     (:parallel (start-hunchentoot port 'hrt:parallel-easy-acceptor))
     (:parallel-blocking
      (start-hunchentoot port 'hrt:parallel-easy-acceptor :connection-engine :blocking))
-    (:parallel-standby-2x-cores
-     (start-hunchentoot port 'hrt:parallel-easy-acceptor
-                        :taskmaster (make-instance 'hrt:recycling-taskmaster
-                                                   :standby-thread-count (* 2 (cores)))))
+    ((:parallel-park-at-once :parallel-try-once :parallel-grace-1ms)
+     (setf hrt::*keep-alive-grace-milliseconds*
+           (ecase kind (:parallel-park-at-once nil) (:parallel-try-once 0) (:parallel-grace-1ms 1)))
+     (start-hunchentoot port 'hrt:parallel-easy-acceptor))
     (:aserve (start-aserve port))))
-
-(defun cores ()
-  (parse-integer (uiop:run-program '("nproc") :output :string) :junk-allowed t))
 
 (defun serve (kind port &key (delay-ms 0))
   "Start the server KIND on 127.0.0.1:PORT and serve until killed."

@@ -9,10 +9,13 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defvar *keep-alive-grace-milliseconds* 0
+(defvar *keep-alive-grace-milliseconds* nil
   "How long a worker that has just answered a kept-alive connection waits for
-the client's next request before parking the connection: 0 tries once
-without waiting.  bench/ measures the choice.")
+the client's next request before parking the connection: NIL parks it at
+once, 0 tries one read without waiting.  bench/run grace measures the
+choice: in run 2026-11-22T004655Z, trying once was within the noise of
+parking at once (0.95x to 1.07x) and waiting up to 1 ms was slower at 1,000
+connections (0.75x, p99 160 ms against 44 ms), so the default parks at once.")
 
 (defun head-buffer-bytes (set)
   "A worker's buffer takes the largest head allowed, with room to spare for
@@ -228,7 +231,10 @@ go.  The caller holds CONNECTION."
                 (setf start 0
                       end next-end
                       (connection-head-started connection)
-                      (and (plusp end) (get-internal-real-time))))
+                      (and (plusp end) (get-internal-real-time)))
+                (when (and (zerop end) (null *keep-alive-grace-milliseconds*))
+                  (park-or-end taskmaster set connection buffer 0)
+                  (return)))
                (:close (close-connection set connection) (return))
                (:detached (remove-connection set connection) (return))
                (:refused (return)))))
