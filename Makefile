@@ -1,6 +1,8 @@
 # make run     the demo server on 127.0.0.1:$(PORT)
 # make test    the test suite (FiveAM), ending with "N passed, M failed"
-# make bench   the benchmark matrix, 10 s a cell; make bench-quick: 2 s, 100 connections
+# make bench   the benchmark matrix, 3 rounds of 5 s a cell; make bench-quick: 1 round of 2 s, 100 connections
+# make bench-connections   10,000 kept-alive connections for 60 s
+# make bench-slowloris     1,000 slowloris connections for 60 s
 # Each target installs the Debian packages it needs first (make deps).
 
 PORT ?= 4242
@@ -10,7 +12,7 @@ LIBRARY_PACKAGES = sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-flexi-s
 TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl
 BENCH_PACKAGES = wrk nginx-light cl-aserve gnuplot-nox procps curl
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-connections bench-slowloris
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -36,3 +38,9 @@ bench: bench-deps
 
 bench-quick: bench-deps
 	bench/run --quick
+
+bench-connections: bench-deps
+	bench/run connections
+
+bench-slowloris: bench-deps
+	bench/run slowloris

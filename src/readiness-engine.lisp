@@ -148,6 +148,17 @@ do not fit (the connection is then closed)."
                (drain-stream-buffer stream buffer (length unread))
                (length unread))))))
 
+(defun make-connection-request (acceptor connection headers content-stream method uri protocol)
+  "The request object Hunchentoot's ACCEPTOR-MAKE-REQUEST would make, with
+the addresses CONNECTION read when it was accepted."
+  (destructuring-bind (remote-addr remote-port local-addr local-port) (connection-addresses connection)
+    (make-instance (hunchentoot:acceptor-request-class acceptor)
+                   :acceptor acceptor
+                   :local-addr local-addr :local-port local-port
+                   :remote-addr remote-addr :remote-port remote-port
+                   :headers-in headers :content-stream content-stream
+                   :method method :uri uri :server-protocol protocol)))
+
 (defun answer-buffered-request (taskmaster worker set connection buffer
                                 request-start request-line-end head-end end)
   "Answer the request whose head is in BUFFER.  Returns :KEEP-ALIVE and the
@@ -178,8 +189,8 @@ was answered with an error and the connection closed)."
              acceptor
              (lambda ()
                (hunchentoot:process-request
-                (make-acceptor-request acceptor (connection-socket connection) headers
-                                       content-stream method uri protocol)))))
+                (make-connection-request acceptor connection headers content-stream
+                                         method uri protocol)))))
           (finish-output (current-connection-stream))
           (hunchentoot:reset-connection-stream acceptor (current-connection-stream))
           (setf (current-connection-stream) stream)
@@ -268,6 +279,25 @@ Hunchentoot logs errors outside handlers."
 
 ;;; New connections.
 
+(defun open-connection (acceptor worker set socket)
+  "Enter the accepted SOCKET into SET, read its addresses, and start TLS if
+ACCEPTOR speaks it.  The CONNECTION, held by the caller; NIL when the
+client has already gone or the handshake failed (SOCKET is then closed)."
+  (let ((connection (add-connection set socket)))
+    (setf (connection-head-started connection) (get-internal-real-time))
+    (note-handshake-started worker)
+    (let* ((addresses (ignore-errors (multiple-value-list (socket-addresses socket))))
+           (stream (and addresses
+                        (ignore-errors
+                         (hunchentoot:initialize-connection-stream acceptor (usocket:socket-stream socket))))))
+      (note-handshake-finished worker)
+      (cond (stream
+             (setf (connection-addresses connection) addresses
+                   (connection-stream connection) stream)
+             connection)
+            (t (close-connection set connection)
+               nil)))))
+
 (defun accept-new-connection (taskmaster worker set)
   "Accept a connection from the listening socket and serve what it has sent."
   (let* ((acceptor (hunchentoot:taskmaster-acceptor taskmaster))
@@ -276,17 +306,9 @@ Hunchentoot logs errors outside handlers."
     (rearm-listen-socket set (acceptor-listen-socket acceptor))
     (when socket
       (atomic-increment (readiness-set-connections-accepted set))
-      (let ((connection (add-connection set socket)))
-        (setf (connection-head-started connection) (get-internal-real-time))
-        (note-handshake-started worker)
-        (let ((stream (ignore-errors
-                       (hunchentoot:initialize-connection-stream acceptor (usocket:socket-stream socket)))))
-          (note-handshake-finished worker)
-          (if stream
-              (progn (setf (connection-stream connection) stream)
-                     (serve-connection-safely taskmaster worker set connection
-                                              (worker-head-buffer worker)))
-              (close-connection set connection)))))))
+      (let ((connection (open-connection acceptor worker set socket)))
+        (when connection
+          (serve-connection-safely taskmaster worker set connection (worker-head-buffer worker)))))))
 
 ;;; The worker.
 

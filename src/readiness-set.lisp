@@ -39,6 +39,9 @@
   ;; 408 when DEADLINE is the header timeout, NIL when it is the keep-alive
   ;; timeout (the connection is then closed without a word).
   (timeout-status nil)
+  ;; The peer's and our address and port, as Hunchentoot's request holds
+  ;; them: read once per connection, not once per request.
+  (addresses '() :type list)
   ;; Internal real time the head being read began to arrive (or the
   ;; connection was accepted); NIL between requests of a kept-alive one.
   (head-started nil :type (or null fixnum)))

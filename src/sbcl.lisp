@@ -218,3 +218,13 @@ does not take is dropped.  For short replies on a connection about to close."
             (sb-alien:extern-alien "recv" (function sb-alien:long sb-alien:int sb-sys:system-area-pointer
                                                     sb-alien:unsigned-long sb-alien:int))
             fd (sb-alien:alien-sap (sb-alien:addr octet)) 1 (logior +msg-peek+ +msg-dontwait+)))))
+
+(defun socket-addresses (usocket)
+  "The peer's address (dotted quad) and port, then the local address and
+port, of the connected USOCKET: one getpeername(2) and one getsockname(2),
+where USOCKET's accessors make two of each."
+  (let ((socket (usocket:socket usocket)))
+    (multiple-value-bind (remote-address remote-port) (sb-bsd-sockets:socket-peername socket)
+      (multiple-value-bind (local-address local-port) (sb-bsd-sockets:socket-name socket)
+        (values (usocket:vector-quad-to-dotted-quad remote-address) remote-port
+                (usocket:vector-quad-to-dotted-quad local-address) local-port)))))
