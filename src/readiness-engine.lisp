@@ -27,9 +27,6 @@ pipelined requests."
 
 ;;; Reading without waiting.
 
-(defun plain-connection-p (connection)
-  (eq (connection-stream connection) (usocket:socket-stream (connection-socket connection))))
-
 (defun receive-from-stream (stream fd buffer start end)
   "Take what STREAM (an SSL stream) has decrypted, without waiting, into BUFFER.
 LISTEN reads ahead into the stream's own buffer, so bytes decrypted
@@ -279,17 +276,18 @@ Hunchentoot logs errors outside handlers."
 
 ;;; New connections.
 
-(defun open-connection (acceptor worker set socket)
-  "Enter the accepted SOCKET into SET, read its addresses, and start TLS if
-ACCEPTOR speaks it.  The CONNECTION, held by the caller; NIL when the
-client has already gone or the handshake failed (SOCKET is then closed)."
-  (let ((connection (add-connection set socket)))
+(defun open-connection (acceptor worker set fd)
+  "Enter the accepted connection FD into SET, read its addresses, and start
+TLS if ACCEPTOR speaks it.  The CONNECTION, held by the caller; NIL when
+the client has already gone or the handshake failed (FD is then closed)."
+  (let ((connection (add-connection set fd (make-connection-fd-stream
+                                            fd (hunchentoot:acceptor-read-timeout acceptor)))))
     (setf (connection-head-started connection) (get-internal-real-time))
     (note-handshake-started worker)
-    (let* ((addresses (ignore-errors (multiple-value-list (socket-addresses socket))))
+    (let* ((addresses (ignore-errors (connection-addresses-of fd)))
            (stream (and addresses
                         (ignore-errors
-                         (hunchentoot:initialize-connection-stream acceptor (usocket:socket-stream socket))))))
+                         (hunchentoot:initialize-connection-stream acceptor (connection-fd-stream connection))))))
       (note-handshake-finished worker)
       (cond (stream
              (setf (connection-addresses connection) addresses
@@ -298,15 +296,25 @@ client has already gone or the handshake failed (SOCKET is then closed)."
             (t (close-connection set connection)
                nil)))))
 
+(defun accept-connection-safely (taskmaster set)
+  "A connection from the listening socket of SET's acceptor, or NIL.  A
+failure such as EMFILE persists: it is logged and the worker pauses."
+  (handler-case (accept-connection-fd (readiness-set-listen-fd set))
+    (error (condition)
+      (unless (shutting-down-p taskmaster)
+        (hunchentoot:acceptor-log-message (hunchentoot:taskmaster-acceptor taskmaster) :error
+                                          "accept failed: ~A" condition)
+        (sleep 0.1))
+      nil)))
+
 (defun accept-new-connection (taskmaster worker set)
   "Accept a connection from the listening socket and serve what it has sent."
-  (let* ((acceptor (hunchentoot:taskmaster-acceptor taskmaster))
-         (socket (accept-connection taskmaster)))
+  (let ((fd (accept-connection-safely taskmaster set)))
     ;; Another worker may accept the next connection while this one serves.
-    (rearm-listen-socket set (acceptor-listen-socket acceptor))
-    (when socket
+    (rearm-listen-socket set)
+    (when fd
       (atomic-increment (readiness-set-connections-accepted set))
-      (let ((connection (open-connection acceptor worker set socket)))
+      (let ((connection (open-connection (hunchentoot:taskmaster-acceptor taskmaster) worker set fd)))
         (when connection
           (serve-connection-safely taskmaster worker set connection (worker-head-buffer worker)))))))
 

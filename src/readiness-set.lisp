@@ -21,13 +21,16 @@
 (defconstant +wakeup-token+ 1)
 (defconstant +first-connection-token+ 2)
 
-(defstruct (connection (:constructor make-connection (socket fd token)))
+(defstruct (connection (:constructor make-connection (fd token fd-stream)))
   "A client connection served by the readiness set."
   ;; :ACTIVE, :PARKED or :CLOSED; see Ownership above.
   (state :active)
-  (socket nil :read-only t)
   (fd -1 :type fixnum :read-only t)
   (token 0 :type word :read-only t)
+  ;; The binary stream on FD.
+  (fd-stream nil :read-only t)
+  ;; The stream requests are read from and replies written to: FD-STREAM,
+  ;; or the TLS stream over it.
   (stream nil)
   ;; The octets that arrived and are not yet answered (part of a head, or
   ;; pipelined requests), or NIL.
@@ -61,6 +64,8 @@
 (defstruct (readiness-set (:constructor %make-readiness-set))
   (epoll-fd -1 :type fixnum :read-only t)
   (wakeup-fd -1 :type fixnum :read-only t)
+  ;; The acceptor's listening socket, non-blocking.
+  (listen-fd -1 :type fixnum :read-only t)
   (table-lock (bt:make-lock "readiness-set-table") :read-only t)
   ;; Index -> the CONNECTION holding it, or NIL.
   (slots (make-array 1024 :initial-element nil) :type simple-vector)
@@ -94,11 +99,12 @@
 for it may find the connection already taken).  The timeouts are in seconds."
   (let* ((epoll-fd (make-epoll-set))
          (set (%make-readiness-set :epoll-fd epoll-fd :wakeup-fd (make-wakeup-fd)
+                                   :listen-fd (socket-file-descriptor listen-socket)
                                    :header-timeout (seconds->internal-units header-timeout)
                                    :keep-alive-timeout (seconds->internal-units keep-alive-timeout)
                                    :max-header-bytes max-header-bytes)))
     (set-non-blocking listen-socket)
-    (epoll-watch epoll-fd (socket-file-descriptor listen-socket) +listen-token+ :one-shot t)
+    (epoll-watch epoll-fd (readiness-set-listen-fd set) +listen-token+ :one-shot t)
     (epoll-watch epoll-fd (readiness-set-wakeup-fd set) +wakeup-token+)
     set))
 
@@ -106,8 +112,8 @@ for it may find the connection already taken).  The timeouts are in seconds."
   (close-fd (readiness-set-epoll-fd set))
   (close-fd (readiness-set-wakeup-fd set)))
 
-(defun rearm-listen-socket (set listen-socket)
-  (epoll-rearm (readiness-set-epoll-fd set) (socket-file-descriptor listen-socket) +listen-token+))
+(defun rearm-listen-socket (set)
+  (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+))
 
 (defun wake-all-waiters (set)
   "Make every epoll_wait on SET, now and later, return at once."
@@ -123,16 +129,17 @@ for it may find the connection already taken).  The timeouts are in seconds."
 (defun slot-index (token)
   (- (ldb (byte 32 0) token) +first-connection-token+))
 
-(defun add-connection (set socket)
-  "Enter the accepted SOCKET into SET's table; its CONNECTION, :ACTIVE."
+(defun add-connection (set fd fd-stream)
+  "Enter the accepted connection FD, with its FD-STREAM, into SET's table;
+its CONNECTION, :ACTIVE."
   (bt:with-lock-held ((readiness-set-table-lock set))
     (let* ((index (or (pop (readiness-set-free-indices set))
                       (prog1 (readiness-set-next-index set)
                         (incf (readiness-set-next-index set)))))
            (generation (setf (readiness-set-generation set)
                              (ldb (byte 31 0) (1+ (readiness-set-generation set)))))
-           (connection (make-connection socket (socket-file-descriptor socket)
-                                        (dpb generation (byte 31 32) (+ index +first-connection-token+)))))
+           (connection (make-connection fd (dpb generation (byte 31 32) (+ index +first-connection-token+))
+                                        fd-stream)))
       (when (>= index (length (readiness-set-slots set)))
         (setf (readiness-set-slots set)
               (replace (make-array (* 2 (length (readiness-set-slots set))) :initial-element nil)
@@ -150,6 +157,10 @@ for it may find the connection already taken).  The timeouts are in seconds."
         (setf (svref (readiness-set-slots set) index) nil)
         (push index (readiness-set-free-indices set))
         (decf (readiness-set-connection-count set))))))
+
+(defun plain-connection-p (connection)
+  "True when CONNECTION speaks plain HTTP, not TLS."
+  (eq (connection-stream connection) (connection-fd-stream connection)))
 
 (defun take-parked-connection (set connection)
   "Make the caller CONNECTION's holder if it is parked.  True when it was."
@@ -203,11 +214,10 @@ may be taken by a worker before or while FUNCTION runs."
 client is gone already."
   (remove-connection set connection)
   (let ((stream (connection-stream connection))
-        (socket-stream (usocket:socket-stream (connection-socket connection))))
-    (when (and stream (not (eq stream socket-stream)))
+        (fd-stream (connection-fd-stream connection)))
+    (when (and stream (not (eq stream fd-stream)))
       (ignore-errors (close stream :abort t)))
-    (ignore-errors (close socket-stream :abort t))
-    (ignore-errors (usocket:socket-close (connection-socket connection)))))
+    (ignore-errors (close fd-stream :abort t))))
 
 (defun refuse-connection-head (set connection status)
   "Answer CONNECTION's head with the error reply for STATUS and close it.
@@ -217,10 +227,10 @@ reply before the reset that unread input provokes."
   (let ((reply (head-error-reply status))
         (stream (connection-stream connection)))
     (ignore-errors
-     (if (eq stream (usocket:socket-stream (connection-socket connection)))
+     (if (plain-connection-p connection)
          (send-without-waiting (connection-fd connection) reply)
          (progn (write-sequence reply stream) (finish-output stream))))
-    (shut-down-output (connection-socket connection))
+    (shut-down-fd-output (connection-fd connection))
     (let ((scratch (make-array 4096 :element-type '(unsigned-byte 8))))
       (loop repeat 16
             for count = (receive-available (connection-fd connection) scratch 0 4096)

@@ -219,12 +219,64 @@ does not take is dropped.  For short replies on a connection about to close."
                                                     sb-alien:unsigned-long sb-alien:int))
             fd (sb-alien:alien-sap (sb-alien:addr octet)) 1 (logior +msg-peek+ +msg-dontwait+)))))
 
-(defun socket-addresses (usocket)
-  "The peer's address (dotted quad) and port, then the local address and
-port, of the connected USOCKET: one getpeername(2) and one getsockname(2),
-where USOCKET's accessors make two of each."
-  (let ((socket (usocket:socket usocket)))
-    (multiple-value-bind (remote-address remote-port) (sb-bsd-sockets:socket-peername socket)
-      (multiple-value-bind (local-address local-port) (sb-bsd-sockets:socket-name socket)
-        (values (usocket:vector-quad-to-dotted-quad remote-address) remote-port
-                (usocket:vector-quad-to-dotted-quad local-address) local-port)))))
+(defconstant +sock-cloexec+ #o2000000)
+(defconstant +econnaborted+ 103)
+(defconstant +shut-wr+ 1)
+(defconstant +sockaddr-in-bytes+ 16)
+
+(defun accept-connection-fd (listen-fd)
+  "accept4(2) on the non-blocking LISTEN-FD: the new connection's descriptor,
+or NIL when none is pending or it was aborted before it was taken.  Other
+failures (EMFILE, ...) signal an error.  The connection is blocking: the
+readiness set reads it with MSG_DONTWAIT."
+  (loop
+    (let ((fd (sb-alien:alien-funcall
+               (sb-alien:extern-alien "accept4" (function sb-alien:int sb-alien:int sb-alien:unsigned-long
+                                                          sb-alien:unsigned-long sb-alien:int))
+               listen-fd 0 0 +sock-cloexec+)))
+      (if (>= fd 0)
+          (return fd)
+          (let ((errno (sb-alien:get-errno)))
+            (cond ((= errno +eintr+))
+                  ((member errno (list +eagain+ +econnaborted+)) (return nil))
+                  (t (foreign-error "accept4"))))))))
+
+(defmacro define-sockaddr-reader (name foreign-name)
+  "Define NAME of an FD: the dotted-quad address and the port that the
+foreign function FOREIGN-NAME (getpeername or getsockname) reports."
+  `(defun ,name (fd)
+     (sb-alien:with-alien ((address (array (sb-alien:unsigned 8) #.+sockaddr-in-bytes+))
+                           (length sb-alien:unsigned))
+       (setf length +sockaddr-in-bytes+)
+       (let ((sap (sb-alien:alien-sap address)))
+         (unless (zerop (sb-alien:alien-funcall
+                         (sb-alien:extern-alien ,foreign-name (function sb-alien:int sb-alien:int
+                                                                        sb-sys:system-area-pointer
+                                                                        (* sb-alien:unsigned)))
+                         fd sap (sb-alien:addr length)))
+           (foreign-error ,foreign-name))
+         ;; struct sockaddr_in: family (2 octets), port (network order), address.
+         (values (format nil "~D.~D.~D.~D" (sb-sys:sap-ref-8 sap 4) (sb-sys:sap-ref-8 sap 5)
+                         (sb-sys:sap-ref-8 sap 6) (sb-sys:sap-ref-8 sap 7))
+                 (+ (* 256 (sb-sys:sap-ref-8 sap 2)) (sb-sys:sap-ref-8 sap 3)))))))
+
+(define-sockaddr-reader peer-address "getpeername")
+(define-sockaddr-reader local-address "getsockname")
+
+(defun connection-addresses-of (fd)
+  "The peer's address and port, then ours, of the IPv4 connection FD, as
+Hunchentoot's request holds them."
+  (multiple-value-call #'list (peer-address fd) (local-address fd)))
+
+(defun make-connection-fd-stream (fd timeout)
+  "A binary bidirectional stream on the connection FD whose reads and writes
+give up after TIMEOUT seconds (NIL: never), as Hunchentoot sets them.  No
+finalizer: the readiness set closes every connection itself."
+  (sb-sys:make-fd-stream fd :input t :output t :element-type '(unsigned-byte 8)
+                            :buffering :full :timeout timeout :auto-close nil
+                            :name "hunchentoot-recycling-taskmaster connection"))
+
+(defun shut-down-fd-output (fd)
+  "Send FIN on the connection FD while its input stays readable."
+  (sb-alien:alien-funcall (sb-alien:extern-alien "shutdown" (function sb-alien:int sb-alien:int sb-alien:int))
+                          fd +shut-wr+))
