@@ -286,8 +286,11 @@ the client has already gone or the handshake failed (FD is then closed)."
     (note-handshake-started worker)
     (let* ((addresses (ignore-errors (connection-addresses-of fd)))
            (stream (and addresses
-                        (ignore-errors
-                         (hunchentoot:initialize-connection-stream acceptor (connection-fd-stream connection))))))
+                        ;; HUNCHENTOOT:STOP cuts a handshake that hangs.
+                        (catch 'connection-cut
+                          (ignore-errors
+                           (hunchentoot:initialize-connection-stream acceptor
+                                                                     (connection-fd-stream connection)))))))
       (note-handshake-finished worker)
       (cond (stream
              (setf (connection-addresses connection) addresses
