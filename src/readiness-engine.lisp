@@ -81,12 +81,13 @@ taskmaster is stopping."
          (deadline (if head-started
                        (+ head-started (readiness-set-header-timeout set))
                        (+ now (readiness-set-keep-alive-timeout set)))))
+    (setf (connection-timeout-status connection) (and head-started 408))
     (cond ((stopping-p taskmaster) (close-connection set connection))
-          ((<= deadline now) (end-parked-connection-now set connection head-started))
+          ((<= deadline now) (end-parked-connection set connection))
           (t
            (when (plusp end)
              (setf (connection-pending connection) (subseq buffer 0 end)))
-           (if (park-connection set connection deadline (and head-started 408))
+           (if (park-connection set connection deadline)
                (progn
                  ;; HUNCHENTOOT:STOP sets its flag, then closes what is parked.
                  (memory-barrier)
@@ -94,15 +95,9 @@ taskmaster is stopping."
                    (close-connection set connection)))
                (close-connection set connection))))))
 
-(defun end-parked-connection-now (set connection head-started)
-  (if head-started
-      (refuse-connection-head set connection 408)
-      (progn (atomic-increment (readiness-set-keep-alive-timeouts set))
-             (close-connection set connection))))
-
 ;;; Answering a request whose head is in the buffer.
 
-(defun content-stream-for (acceptor headers stream buffer body-start end)
+(defun content-stream-for (headers stream buffer body-start end)
   "The stream a request body is read from: the body octets already in BUFFER
 from BODY-START below END, then STREAM; decoded from chunked if the client
 says so.  Second value: the in-memory stream of the buffered octets, or NIL.
@@ -113,14 +108,10 @@ body is chunked, and so it writes the reply to STREAM too."
                         (flex:make-in-memory-input-stream buffer :start body-start :end end)))
          (content (if buffered (make-concatenated-stream buffered stream) stream)))
     (if (assoc :transfer-encoding headers)
-        (progn
-          (unless (hunchentoot:acceptor-input-chunking-p acceptor)
-            (error "The client sent a chunked request body, but ~S does not accept chunked input."
-                   acceptor))
-          (let ((chunked (chunga:make-chunked-stream
-                          (if buffered (make-two-way-stream content stream) stream))))
-            (setf (chunga:chunked-stream-input-chunking-p chunked) t)
-            (values chunked buffered t)))
+        (let ((chunked (chunga:make-chunked-stream
+                        (if buffered (make-two-way-stream content stream) stream))))
+          (setf (chunga:chunked-stream-input-chunking-p chunked) t)
+          (values chunked buffered t))
         (values content buffered nil))))
 
 (defun unread-octets (in-memory-stream)
@@ -164,6 +155,12 @@ end of the next request's octets (moved to the start of BUFFER), :CLOSE,
 was answered with an error and the connection closed)."
   (multiple-value-bind (headers method uri protocol)
       (parse-request-head buffer request-start request-line-end head-end)
+    (let ((acceptor (hunchentoot:taskmaster-acceptor taskmaster)))
+      (when (and (not (integerp headers))
+                 (assoc :transfer-encoding headers)
+                 (not (hunchentoot:acceptor-input-chunking-p acceptor)))
+        ;; This acceptor takes no chunked body: RFC 9112 6.3 says 411.
+        (setf headers 411)))
     (when (integerp headers)
       (refuse-connection-head set connection headers)
       (return-from answer-buffered-request :refused))
@@ -172,7 +169,7 @@ was answered with an error and the connection closed)."
            (body-p (request-has-body-p headers)))
       (multiple-value-bind (content-stream buffered chunked-p)
           (if body-p
-              (content-stream-for acceptor headers stream buffer head-end end)
+              (content-stream-for headers stream buffer head-end end)
               (values stream nil nil))
         (setf (current-connection-stream) (if chunked-p content-stream stream))
         (with-request-bindings ()

@@ -56,6 +56,7 @@
 (defparameter *limit-statistics*
   '((400 . :bad-request-replies)
     (408 . :header-timeout-replies)
+    (411 . :length-required-replies)
     (414 . :uri-too-long-replies)
     (431 . :header-too-large-replies)
     (505 . :version-not-supported-replies))
@@ -179,15 +180,15 @@ when it is gone or another thread took it."
          (take-parked-connection set connection)
          connection)))
 
-(defun park-connection (set connection deadline timeout-status)
-  "Give up CONNECTION until bytes arrive or DEADLINE passes.  True when it is
-parked (and may already be another thread's); false when the descriptor
-could not be armed and the caller still holds the connection."
+(defun park-connection (set connection deadline)
+  "Give up CONNECTION until bytes arrive or DEADLINE passes (then it gets its
+TIMEOUT-STATUS).  True when it is parked (and may already be another
+thread's); false when the descriptor could not be armed and the caller
+still holds the connection."
   (let ((first-time-p (not (connection-armed-p connection))))
     ;; Everything the next holder reads is written before arming: once
     ;; armed, the connection may be taken before epoll_ctl even returns.
     (setf (connection-deadline connection) deadline
-          (connection-timeout-status connection) timeout-status
           (connection-armed-p connection) t
           (connection-state connection) :parked)
     (atomic-increment (readiness-set-parked-count set))
@@ -238,7 +239,8 @@ reply before the reset that unread input provokes."
   (close-connection set connection))
 
 (defun end-parked-connection (set connection)
-  "CONNECTION, just taken from the set, has reached its deadline."
+  "CONNECTION, held by the caller, has reached its deadline: answer it its
+TIMEOUT-STATUS, or close it without a word."
   (let ((status (connection-timeout-status connection)))
     (if status
         (refuse-connection-head set connection status)

@@ -256,6 +256,8 @@ GET-REQUEST-DATA does; or a status code alone: 400 (malformed) or 505."
 (defparameter *head-error-replies*
   (list (cons 400 (make-error-reply 400 "Bad Request" "The request head could not be interpreted."))
         (cons 408 (make-error-reply 408 "Request Timeout" "The request head did not arrive in time."))
+        (cons 411 (make-error-reply 411 "Length Required"
+                                    "This server takes a request body only with a Content-Length."))
         (cons 414 (make-error-reply 414 "URI Too Long" "The request line is longer than 8 KiB."))
         (cons 431 (make-error-reply 431 "Request Header Fields Too Large"
                                     "The request has too many header lines, or they are too long."))

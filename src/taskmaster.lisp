@@ -861,7 +861,8 @@ taskmaster was made :CONNECTIONS-ACCEPTED, :CONNECTIONS-REJECTED (answered
 :KEEP-ALIVE-TIMEOUTS (kept-alive connections closed after
 KEEP-ALIVE-TIMEOUT idle seconds), and one count per refused request head:
 :BAD-REQUEST-REPLIES (400, malformed or ambiguous framing),
-:HEADER-TIMEOUT-REPLIES (408), :URI-TOO-LONG-REPLIES (414),
+:HEADER-TIMEOUT-REPLIES (408), :LENGTH-REQUIRED-REPLIES (411, a chunked
+body to an acceptor without input chunking), :URI-TOO-LONG-REPLIES (414),
 :HEADER-TOO-LARGE-REPLIES (431) and :VERSION-NOT-SUPPORTED-REPLIES (505);
 these are counted by the readiness-set engine only (the blocking engine
 reads heads with Hunchentoot's reader).  The order of keys is unspecified.

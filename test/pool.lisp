@@ -273,7 +273,8 @@ the request; returns the function that joins the client (see IN-THREAD)."
                        :queued-connections :connections-accepted :connections-rejected
                        :requests-served :threads-created :threads-retired :peak-threads
                        :parked-connections :open-connections :keep-alive-timeouts
-                       :bad-request-replies :header-timeout-replies :uri-too-long-replies
+                       :bad-request-replies :header-timeout-replies :length-required-replies
+                       :uri-too-long-replies
                        :header-too-large-replies :version-not-supported-replies))
           (is (integerp (getf statistics key)) "~S is missing" key))
         (is (= 5 (getf statistics :requests-served)))

@@ -71,6 +71,12 @@ then closed the connection."
                                                   "Content-Length: 5" "Content-Length: 7" "" "hello!!"))))
     (is (= 2 (stats server :bad-request-replies)))))
 
+(test limits.chunked-body-without-input-chunking-is-411
+  (with-readiness-server (server :input-chunking-p nil)
+    (is (eql 411 (refused-with server (crlf-lines "POST /test/body HTTP/1.1" "Host: x"
+                                                  "Transfer-Encoding: chunked" "" "5" "hello" "0" ""))))
+    (is (= 1 (stats server :length-required-replies)))))
+
 (test limits.slow-head-is-408-at-the-header-timeout
   (with-readiness-server (server :header-timeout 1)
     (with-connection (silent server)
