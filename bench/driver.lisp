@@ -21,6 +21,12 @@ starts in a process of its own; :NGINX runs Debian's nginx.")
   "What a worker does with a kept-alive connection it has just answered, as
 servers for RUN-BENCHMARKS: bench/run grace.")
 
+(defparameter *engine-servers*
+  '((:name "parallel-blocking" :label "parallel, blocking engine" :lisp :parallel-blocking)
+    (:name "parallel" :label "parallel-easy-acceptor" :lisp :parallel))
+  "The two connection engines alone, the blocking one first so that every
+ratio reads readiness set / blocking: bench/run engines.")
+
 (defun keep-alive-workloads ()
   (remove-if (lambda (workload) (getf workload :close)) (workloads nil)))
 
@@ -391,10 +397,13 @@ Returns the directory."
                 results))))
     (setf results (nreverse results))
     (write-csv (concatenate 'string directory "results.csv") results)
-    (write-chart directory results workloads :requests-per-second
-                 "Requests/s (log scale); labels: ratio to Hunchentoot" "requests-per-second" baseline-cells)
-    (write-chart directory results workloads :p99-ms
-                 "p99 latency, ms (log scale, lower is better); labels: ratio to Hunchentoot" "p99-latency" baseline-cells)
+    (let ((baseline (getf (first *servers*) :label)))
+      (write-chart directory results workloads :requests-per-second
+                   (format nil "Requests/s (log scale); labels: ratio to ~A" baseline)
+                   "requests-per-second" baseline-cells)
+      (write-chart directory results workloads :p99-ms
+                   (format nil "p99 latency, ms (log scale, lower is better); labels: ratio to ~A" baseline)
+                   "p99-latency" baseline-cells))
     (let ((table (summary-table results workloads baseline-cells))
           (engines (engine-table results workloads)))
       (with-open-file (out (concatenate 'string directory "summary.md") :direction :output)
@@ -410,3 +419,8 @@ Returns the directory."
   "bench/run grace: the keep-alive workloads against each choice of
 *KEEP-ALIVE-GRACE-MILLISECONDS*."
   (run-benchmarks :core core :servers *grace-servers* :workloads (keep-alive-workloads)))
+
+(defun run-engine-comparison (&key core)
+  "bench/run engines: the two connection engines on every workload, in 7
+rounds, for a median that the machine's noise moves less."
+  (run-benchmarks :core core :servers *engine-servers* :rounds 7))

@@ -6,7 +6,8 @@
 (defpackage #:hunchentoot-recycling-taskmaster-bench
   (:use #:cl)
   (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster))
-  (:export #:serve #:run-benchmarks #:run-grace-comparison #:run-connection-load))
+  (:export #:serve #:run-benchmarks #:run-grace-comparison #:run-engine-comparison
+           #:run-connection-load))
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 

@@ -227,6 +227,9 @@ reply before the reset that unread input provokes."
   (count-refused-head set status)
   (let ((reply (head-error-reply status))
         (stream (connection-stream connection)))
+    ;; The sweeper calls this too and must not wait: the reply is a few
+    ;; hundred octets on a connection that has been sent nothing else (TLS
+    ;; aside, whose handshake the client has read), so it fits the socket.
     (ignore-errors
      (if (plain-connection-p connection)
          (send-without-waiting (connection-fd connection) reply)
@@ -276,7 +279,7 @@ what is the case now.")
          (readiness-set-totals set)))
 
 (defun readiness-set-totals (set)
-  "The totals of +READINESS-TOTALS+ counted by SET, or zeros when SET is NIL."
+  "The totals of *READINESS-TOTALS* counted by SET, or zeros when SET is NIL."
   (list* :connections-accepted (if set (readiness-set-connections-accepted set) 0)
          :keep-alive-timeouts (if set (readiness-set-keep-alive-timeouts set) 0)
          (loop for (nil . key) in *limit-statistics*
@@ -285,7 +288,7 @@ what is the case now.")
                collect (if set (aref (readiness-set-limit-counts set) index) 0))))
 
 (defun add-readiness-statistics (totals statistics)
-  "STATISTICS with each total of +READINESS-TOTALS+ raised by that in TOTALS."
+  "STATISTICS with each total of *READINESS-TOTALS* raised by that in TOTALS."
   (loop for (key value) on statistics by #'cddr
         collect key
         collect (if (member key *readiness-totals*) (+ value (getf totals key 0)) value)))
