@@ -1,7 +1,7 @@
-;;;; The connection loop of PARALLEL-ACCEPTOR: Hunchentoot's own loop, with
-;;;; the worker's state reported to the pool around every wait, so that STOP
-;;;; can end idle connections and a saturated pool can reclaim them.  Later
-;;;; work that gives the thread back between requests replaces this file.
+;;;; The blocking engine's connection loop (:CONNECTION-ENGINE :BLOCKING):
+;;;; Hunchentoot's own loop, with the worker's state reported to the pool
+;;;; around every wait, so that STOP can end idle connections and a saturated
+;;;; pool can reclaim them.  The default engine is readiness-engine.lisp.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
