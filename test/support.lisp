@@ -47,12 +47,16 @@ BODY with *ENGINE* bound to it."
           (ht:acceptor-ssl-p server) (ht:acceptor-port server) path))
 
 (defun http-get (server path &rest drakma-args)
-  "Status code and body of GET PATH, or the condition that made it fail."
+  "Status code and body of GET PATH, or the condition that made it fail.  A
+reply that has not come within 60 s fails: drakma has no read timeout on
+SBCL, and a lost request must fail its test, not hang the suite."
   (handler-case
-      (multiple-value-bind (body status)
-          (apply #'drakma:http-request (url server path) :connection-timeout 10 drakma-args)
-        (values status body))
-    (error (condition) (values nil condition))))
+      (bt:with-timeout (60)
+        (multiple-value-bind (body status)
+            (apply #'drakma:http-request (url server path) :connection-timeout 10 drakma-args)
+          (values status body)))
+    ;; The timeout is a SERIOUS-CONDITION, not an ERROR.
+    (serious-condition (condition) (values nil condition))))
 
 (defun stats (server key)
   (getf (taskmaster-statistics server) key))
