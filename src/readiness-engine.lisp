@@ -27,15 +27,21 @@ pipelined requests."
 
 ;;; Reading without waiting.
 
+(defun read-arrived-octets (stream buffer start end)
+  "Read into BUFFER from START below END the octets STREAM can give without
+waiting; the position after the last one."
+  (loop with position = start
+        while (and (< position end) (listen stream))
+        do (setf (aref buffer position) (read-byte stream))
+           (incf position)
+        finally (return position)))
+
 (defun receive-from-stream (stream fd buffer start end)
   "Take what STREAM (an SSL stream) has decrypted, without waiting, into BUFFER.
 LISTEN reads ahead into the stream's own buffer, so bytes decrypted
 earlier are found there, not on the socket."
   (handler-case
-      (let ((position start))
-        (loop while (and (< position end) (listen stream))
-              do (setf (aref buffer position) (read-byte stream))
-                 (incf position))
+      (let ((position (read-arrived-octets stream buffer start end)))
         (cond ((> position start) (- position start))
               ((end-of-file-p fd) 0)
               (t :would-block)))
@@ -58,13 +64,9 @@ their count, 0 at end of file, :WOULD-BLOCK or :ERROR."
 (defun drain-stream-buffer (stream buffer start)
   "Move the octets STREAM has read ahead of the request body into BUFFER from
 START: they begin the next request.  The new end, or NIL when they do not fit."
-  (loop with position = start
-        while (listen stream)
-        do (when (>= position (length buffer))
-             (return nil))
-           (setf (aref buffer position) (read-byte stream))
-           (incf position)
-        finally (return position)))
+  (let ((position (read-arrived-octets stream buffer start (length buffer))))
+    (unless (and (= position (length buffer)) (listen stream))
+      position)))
 
 ;;; Parking.
 
@@ -160,39 +162,38 @@ was answered with an error and the connection closed)."
                  (assoc :transfer-encoding headers)
                  (not (hunchentoot:acceptor-input-chunking-p acceptor)))
         ;; This acceptor takes no chunked body: RFC 9112 6.3 says 411.
-        (setf headers 411)))
-    (when (integerp headers)
-      (refuse-connection-head set connection headers)
-      (return-from answer-buffered-request :refused))
-    (let* ((acceptor (hunchentoot:taskmaster-acceptor taskmaster))
-           (stream (connection-stream connection))
-           (body-p (request-has-body-p headers)))
-      (multiple-value-bind (content-stream buffered chunked-p)
-          (if body-p
-              (content-stream-for headers stream buffer head-end end)
-              (values stream nil nil))
-        (setf (current-connection-stream) (if chunked-p content-stream stream))
-        (with-request-bindings ()
-          (note-request-started worker)
-          (when (expects-continue-p headers)
-            (write-sequence *continue-reply* stream)
-            (force-output stream))
-          (let ((hunchentoot:*reply* (make-instance (hunchentoot:acceptor-reply-class acceptor)))
-                (hunchentoot:*session* nil))
-            (call-with-request-counted
-             acceptor
-             (lambda ()
-               (hunchentoot:process-request
-                (make-connection-request acceptor connection headers content-stream
-                                         method uri protocol)))))
-          (finish-output (current-connection-stream))
-          (hunchentoot:reset-connection-stream acceptor (current-connection-stream))
-          (setf (current-connection-stream) stream)
-          (note-request-finished taskmaster worker)
-          (cond ((not (close-connection-stream-p)) :detached)
-                ((finish-processing-connection-p) :close)
-                (t (let ((next-end (next-request-octets connection buffer body-p buffered head-end end)))
-                     (if next-end (values :keep-alive next-end) :close)))))))))
+        (setf headers 411))
+      (when (integerp headers)
+        (refuse-connection-head set connection headers)
+        (return-from answer-buffered-request :refused))
+      (let ((stream (connection-stream connection))
+            (body-p (request-has-body-p headers)))
+        (multiple-value-bind (content-stream buffered chunked-p)
+            (if body-p
+                (content-stream-for headers stream buffer head-end end)
+                (values stream nil nil))
+          (setf (current-connection-stream) (if chunked-p content-stream stream))
+          (with-request-bindings ()
+            (note-request-started worker)
+            (when (expects-continue-p headers)
+              (write-sequence *continue-reply* stream)
+              (force-output stream))
+            (let ((hunchentoot:*reply* (make-instance (hunchentoot:acceptor-reply-class acceptor)))
+                  (hunchentoot:*session* nil))
+              (call-with-request-counted
+               acceptor
+               (lambda ()
+                 (hunchentoot:process-request
+                  (make-connection-request acceptor connection headers content-stream
+                                           method uri protocol)))))
+            (finish-output (current-connection-stream))
+            (hunchentoot:reset-connection-stream acceptor (current-connection-stream))
+            (setf (current-connection-stream) stream)
+            (note-request-finished taskmaster worker)
+            (cond ((not (close-connection-stream-p)) :detached)
+                  ((finish-processing-connection-p) :close)
+                  (t (let ((next-end (next-request-octets connection buffer body-p buffered head-end end)))
+                       (if next-end (values :keep-alive next-end) :close))))))))))
 
 ;;; Serving a connection a worker holds.
 
@@ -297,14 +298,10 @@ the client has already gone or the handshake failed (FD is then closed)."
                nil)))))
 
 (defun accept-connection-safely (taskmaster set)
-  "A connection from the listening socket of SET's acceptor, or NIL.  A
-failure such as EMFILE persists: it is logged and the worker pauses."
+  "A connection from the listening socket of SET's acceptor, or NIL."
   (handler-case (accept-connection-fd (readiness-set-listen-fd set))
     (error (condition)
-      (unless (shutting-down-p taskmaster)
-        (hunchentoot:acceptor-log-message (hunchentoot:taskmaster-acceptor taskmaster) :error
-                                          "accept failed: ~A" condition)
-        (sleep 0.1))
+      (note-accept-failed taskmaster condition)
       nil)))
 
 (defun accept-new-connection (taskmaster worker set)
@@ -313,7 +310,7 @@ failure such as EMFILE persists: it is logged and the worker pauses."
     ;; Another worker may accept the next connection while this one serves.
     (rearm-listen-socket set)
     (when fd
-      (atomic-increment (readiness-set-connections-accepted set))
+      (count-accepted-connection set)
       (let ((connection (open-connection (hunchentoot:taskmaster-acceptor taskmaster) worker set fd)))
         (when connection
           (serve-connection-safely taskmaster worker set connection (worker-head-buffer worker)))))))

@@ -62,6 +62,17 @@
     (505 . :version-not-supported-replies))
   "Status code of a refused head -> its counter's key in TASKMASTER-STATISTICS.")
 
+(defstruct (connection-counters (:constructor make-connection-counters ()))
+  "What the readiness sets of one taskmaster have counted, ever.  The
+taskmaster keeps it from run to run; each run's set counts into it."
+  ;; Connections taken from the listening socket.
+  (accepted 0 :type word)
+  ;; Parked keep-alive connections closed at the keep-alive timeout.
+  (keep-alive-timeouts 0 :type word)
+  ;; Per status of *LIMIT-STATISTICS*, the heads refused with it.
+  (refused-heads (make-array (length *limit-statistics*) :element-type 'word :initial-element 0)
+   :type (simple-array word (*)) :read-only t))
+
 (defstruct (readiness-set (:constructor %make-readiness-set))
   (epoll-fd -1 :type fixnum :read-only t)
   (wakeup-fd -1 :type fixnum :read-only t)
@@ -78,29 +89,26 @@
   ;; Internal time units a kept-alive connection may wait for its next request.
   (keep-alive-timeout 0 :type fixnum :read-only t)
   (max-header-bytes 0 :type fixnum :read-only t)
-  ;; Connections taken from the listening socket, ever.
-  (connections-accepted 0 :type word)
   ;; Connections in the table, held by workers or parked.
   (connection-count 0 :type fixnum)
   ;; Workers in (or entering) epoll_wait on this set.
   (waiting-count 0 :type word)
   ;; Connections parked now.
   (parked-count 0 :type word)
-  ;; Parked keep-alive connections closed at the keep-alive timeout, ever.
-  (keep-alive-timeouts 0 :type word)
-  ;; Per status of *LIMIT-STATISTICS*, the heads refused with it, ever.
-  (limit-counts (make-array (length *limit-statistics*) :element-type 'word :initial-element 0)
-   :type (simple-array word (*)) :read-only t))
+  ;; The taskmaster's CONNECTION-COUNTERS, which this set counts into.
+  (counters nil :type connection-counters :read-only t))
 
 (defun seconds->internal-units (seconds)
   (round (* seconds internal-time-units-per-second)))
 
-(defun make-readiness-set (listen-socket &key header-timeout keep-alive-timeout max-header-bytes)
+(defun make-readiness-set (listen-socket counters &key header-timeout keep-alive-timeout max-header-bytes)
   "A readiness set watching LISTEN-SOCKET (made non-blocking: a worker woken
-for it may find the connection already taken).  The timeouts are in seconds."
+for it may find the connection already taken), counting into COUNTERS.  The
+timeouts are in seconds."
   (let* ((epoll-fd (make-epoll-set))
          (set (%make-readiness-set :epoll-fd epoll-fd :wakeup-fd (make-wakeup-fd)
                                    :listen-fd (socket-file-descriptor listen-socket)
+                                   :counters counters
                                    :header-timeout (seconds->internal-units header-timeout)
                                    :keep-alive-timeout (seconds->internal-units keep-alive-timeout)
                                    :max-header-bytes max-header-bytes)))
@@ -120,10 +128,13 @@ for it may find the connection already taken).  The timeouts are in seconds."
   "Make every epoll_wait on SET, now and later, return at once."
   (signal-wakeup-fd (readiness-set-wakeup-fd set)))
 
+(defun count-accepted-connection (set)
+  (atomic-increment (connection-counters-accepted (readiness-set-counters set))))
+
 (defun count-refused-head (set status)
   (let ((index (position status *limit-statistics* :key #'car)))
     (when index
-      (atomic-increment (aref (readiness-set-limit-counts set) index)))))
+      (atomic-increment (aref (connection-counters-refused-heads (readiness-set-counters set)) index)))))
 
 ;;; The table.
 
@@ -247,7 +258,7 @@ TIMEOUT-STATUS, or close it without a word."
   (let ((status (connection-timeout-status connection)))
     (if status
         (refuse-connection-head set connection status)
-        (progn (atomic-increment (readiness-set-keep-alive-timeouts set))
+        (progn (atomic-increment (connection-counters-keep-alive-timeouts (readiness-set-counters set)))
                (close-connection set connection)))))
 
 (defun close-expired-connections (set)
@@ -267,31 +278,17 @@ that did not arrive in time, a plain close for an idle keep-alive one."
          (when (take-parked-connection set connection)
            (close-connection set connection)))))
 
-(defparameter *readiness-totals*
-  (list* :connections-accepted :keep-alive-timeouts (mapcar #'cdr *limit-statistics*))
-  "The keys of READINESS-SET-STATISTICS that count events ever, as opposed to
-what is the case now.")
-
-(defun readiness-set-statistics (set)
-  "The readiness set's part of TASKMASTER-STATISTICS."
-  (list* :parked-connections (readiness-set-parked-count set)
-         :open-connections (readiness-set-connection-count set)
-         (readiness-set-totals set)))
-
-(defun readiness-set-totals (set)
-  "The totals of *READINESS-TOTALS* counted by SET, or zeros when SET is NIL."
-  (list* :connections-accepted (if set (readiness-set-connections-accepted set) 0)
-         :keep-alive-timeouts (if set (readiness-set-keep-alive-timeouts set) 0)
+(defun readiness-statistics (set counters)
+  "The readiness-set part of TASKMASTER-STATISTICS: what SET (NIL when none
+runs) holds now, and what COUNTERS counted ever, but for
+:CONNECTIONS-ACCEPTED."
+  (list* :parked-connections (if set (readiness-set-parked-count set) 0)
+         :open-connections (if set (readiness-set-connection-count set) 0)
+         :keep-alive-timeouts (connection-counters-keep-alive-timeouts counters)
          (loop for (nil . key) in *limit-statistics*
-               for index from 0
+               for count across (connection-counters-refused-heads counters)
                collect key
-               collect (if set (aref (readiness-set-limit-counts set) index) 0))))
-
-(defun add-readiness-statistics (totals statistics)
-  "STATISTICS with each total of *READINESS-TOTALS* raised by that in TOTALS."
-  (loop for (key value) on statistics by #'cddr
-        collect key
-        collect (if (member key *readiness-totals*) (+ value (getf totals key 0)) value)))
+               collect count)))
 
 (defun close-every-connection (set)
   "Close every connection in SET's table, whoever held it: for

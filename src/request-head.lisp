@@ -120,24 +120,21 @@ and a keyword exists for every name that code mentions."
 
 (defun parse-protocol (buffer start end)
   ":HTTP/1.1, :HTTP/1.0, 505 for another HTTP version, 400 for anything else."
-  (let ((length (- end start)))
-    (cond ((and (= length 8)
-                (loop for octet across #.(map 'vector #'char-code "HTTP/1.")
-                      for index from start
-                      always (= octet (aref buffer index))))
-           (case (aref buffer (+ start 7))
-             (49 :http/1.1)
-             (48 :http/1.0)
-             (t (if (<= 48 (aref buffer (+ start 7)) 57) 505 400))))
-          ((and (= length 8)
-                (loop for octet across #.(map 'vector #'char-code "HTTP/")
-                      for index from start
-                      always (= octet (aref buffer index)))
-                (<= 48 (aref buffer (+ start 5)) 57)
-                (= (aref buffer (+ start 6)) 46)
-                (<= 48 (aref buffer (+ start 7)) 57))
-           505)
-          (t 400))))
+  (flet ((digit-at (offset)
+           (let ((octet (aref buffer (+ start offset))))
+             (and (<= 48 octet 57) (- octet 48)))))
+    (if (and (= (- end start) 8)
+             (loop for octet across #.(map 'vector #'char-code "HTTP/")
+                   for index from start
+                   always (= octet (aref buffer index)))
+             (digit-at 5)
+             (= (aref buffer (+ start 6)) 46)
+             (digit-at 7))
+        (cond ((/= 1 (digit-at 5)) 505)
+              ((= 1 (digit-at 7)) :http/1.1)
+              ((= 0 (digit-at 7)) :http/1.0)
+              (t 505))
+        400)))
 
 (defun parse-request-line (buffer start end)
   "The method symbol, URI string and protocol keyword of the request line in

@@ -36,13 +36,12 @@ would leave the blocked threads sleeping."
 
 (defun shut-down-output (usocket)
   "Send FIN on USOCKET while its input stays readable."
-  (ignore-errors
-   (sb-bsd-sockets:socket-shutdown (usocket:socket usocket) :direction :output)))
+  (shut-down-fd-output (socket-file-descriptor usocket)))
 
 (defun wait-until-readable (usocket milliseconds)
   "True when USOCKET has input (or EOF) within MILLISECONDS.  Uses poll(2),
 which, unlike USOCKET:WAIT-FOR-INPUT's select(2), takes descriptors past 1024."
-  (sb-unix:unix-simple-poll (socket-file-descriptor usocket) :input milliseconds))
+  (wait-until-fd-readable (socket-file-descriptor usocket) milliseconds))
 
 (defmacro without-interrupts (&body body)
   "Run BODY with BT:INTERRUPT-THREAD deferred, so that an interrupt cannot

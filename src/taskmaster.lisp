@@ -161,10 +161,9 @@ saturated pool; workers then take from the queue instead of accepting.")
                     :documentation "Worker threads that ended because they were surplus, ever.")
    (peak-thread-count :initform 0 :accessor peak-thread-count
                       :documentation "The most workers the pool has held at once.")
-   (readiness-totals
-    :initform (readiness-set-totals nil) :accessor readiness-totals
-    :documentation "The totals of *READINESS-TOTALS* counted by the readiness
-sets of earlier runs, as a plist.")
+   (connection-counters
+    :initform (make-connection-counters) :reader connection-counters
+    :documentation "What the readiness sets of every run have counted, ever.")
    (retired-requests-served :initform 0 :accessor retired-requests-served
                             :documentation "Requests served by workers that have ended.")
    (last-rejection-log-time :initform 0 :accessor last-rejection-log-time))
@@ -329,14 +328,20 @@ only when an accepting worker takes a connection."
   (with-pool-state-change (taskmaster)
     (decf (accepting-count taskmaster))
     (setf (worker-state worker) :ready)
-    (when (and (not (shutting-down-p taskmaster))
-               (> (pool-thread-count taskmaster)
-                  (taskmaster-standby-thread-count taskmaster))
-               (plusp (accepting-count taskmaster)))
-      (setf (worker-state worker) :exiting)
-      (decf (pool-thread-count taskmaster))
-      (incf (threads-retired taskmaster))
-      t)))
+    (retire-if-surplus taskmaster worker (accepting-count taskmaster))))
+
+(defun retire-if-surplus (taskmaster worker other-waiting-count)
+  "Count WORKER out of the pool if the pool is above standby and
+OTHER-WAITING-COUNT other workers still wait for connections: the last
+waiting worker never retires, since growth starts only when a waiting
+worker is woken.  True when WORKER retires.  POOL-LOCK held."
+  (when (and (not (shutting-down-p taskmaster))
+             (> (pool-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster))
+             (plusp other-waiting-count))
+    (setf (worker-state worker) :exiting)
+    (decf (pool-thread-count taskmaster))
+    (incf (threads-retired taskmaster))
+    t))
 
 (defun note-waiting-for-request (taskmaster worker first-request-p)
   "WORKER is about to wait for a request head.  Returns false when the
@@ -443,13 +448,8 @@ waiting, ask the thread-making thread for another worker."
   "WORKER waited THREAD-IDLE-TIMEOUT seconds for nothing.  True when it is
 surplus and retires now; the last waiting worker never retires."
   (with-pool-state-change (taskmaster)
-    (when (and (not (shutting-down-p taskmaster))
-               (> (pool-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster))
-               (> (readiness-set-waiting-count set) 1))
+    (when (retire-if-surplus taskmaster worker (1- (readiness-set-waiting-count set)))
       (atomic-decrement (readiness-set-waiting-count set))
-      (setf (worker-state worker) :exiting)
-      (decf (pool-thread-count taskmaster))
-      (incf (threads-retired taskmaster))
       t)))
 
 (defun note-handshake-started (worker)
@@ -528,11 +528,16 @@ accept(2) timed out or failed."
           socket)
       (usocket:connection-aborted-error () nil)
       (error (condition)
-        (unless (shutting-down-p taskmaster)
-          (hunchentoot:acceptor-log-message acceptor :error "accept failed: ~A" condition)
-          ;; EMFILE and the like persist: do not spin on them.
-          (sleep 0.1))
+        (note-accept-failed taskmaster condition)
         nil))))
+
+(defun note-accept-failed (taskmaster condition)
+  "accept(2) failed with CONDITION.  EMFILE and the like persist: log it and
+pause, so that the worker does not spin on it.  Quiet while stopping."
+  (unless (shutting-down-p taskmaster)
+    (hunchentoot:acceptor-log-message (hunchentoot:taskmaster-acceptor taskmaster) :error
+                                      "accept failed: ~A" condition)
+    (sleep 0.1)))
 
 (defun next-connection (taskmaster worker)
   "Block until WORKER has a connection to serve, queued or accepted.  NIL when
@@ -753,7 +758,7 @@ Not that they all accept: under load some already serve."
     (reset-pool taskmaster)
     (if (eq (acceptor-connection-engine acceptor) :readiness-set)
         (setf (taskmaster-readiness-set taskmaster)
-              (make-readiness-set (acceptor-listen-socket acceptor)
+              (make-readiness-set (acceptor-listen-socket acceptor) (connection-counters taskmaster)
                                   :header-timeout (acceptor-header-timeout acceptor)
                                   :keep-alive-timeout (acceptor-keep-alive-timeout acceptor)
                                   :max-header-bytes (acceptor-max-header-bytes acceptor)))
@@ -769,14 +774,9 @@ Not that they all accept: under load some already serve."
     taskmaster))
 
 (defun retire-readiness-set (taskmaster)
-  "Close TASKMASTER's readiness set, keeping its totals."
-  (let ((set (with-pool-state-change (taskmaster)
-               (let ((set (shiftf (taskmaster-readiness-set taskmaster) nil)))
-                 (setf (readiness-totals taskmaster)
-                       (add-readiness-statistics (readiness-totals taskmaster)
-                                                 (readiness-set-totals set)))
-                 set))))
-    (destroy-readiness-set set)))
+  "Close TASKMASTER's readiness set; its counts stay in CONNECTION-COUNTERS."
+  (destroy-readiness-set (with-pool-state-change (taskmaster)
+                           (shiftf (taskmaster-readiness-set taskmaster) nil))))
 
 (defun begin-shutdown (taskmaster)
   (with-pool-state-change (taskmaster)
@@ -874,13 +874,16 @@ and :REQUESTS-SERVED may lag by the work finishing while they are read."))
            :accepting-threads (waiting-thread-count taskmaster)
            :in-request-threads (in-request-count taskmaster)
            :queued-connections (length (queued-connections taskmaster))
+           :connections-accepted (+ (connections-accepted taskmaster)
+                                    (connection-counters-accepted (connection-counters taskmaster)))
            :connections-rejected (connections-rejected taskmaster)
            :requests-served (+ (retired-requests-served taskmaster)
                                (reduce #'+ (pool-workers taskmaster) :key #'worker-requests-served))
            :threads-created (threads-created taskmaster)
            :threads-retired (threads-retired taskmaster)
            :peak-threads (peak-thread-count taskmaster)
-           (connection-statistics taskmaster))))
+           (readiness-statistics (taskmaster-readiness-set taskmaster)
+                                 (connection-counters taskmaster)))))
 
 (defun busy-thread-count (taskmaster)
   (let ((set (taskmaster-readiness-set taskmaster)))
@@ -891,13 +894,3 @@ and :REQUESTS-SERVED may lag by the work finishing while they are read."))
 (defun waiting-thread-count (taskmaster)
   (let ((set (taskmaster-readiness-set taskmaster)))
     (if set (readiness-set-waiting-count set) (accepting-count taskmaster))))
-
-(defun connection-statistics (taskmaster)
-  "The connection counts of TASKMASTER: totals of the readiness sets of
-earlier runs plus the current one's."
-  (let ((set (taskmaster-readiness-set taskmaster))
-        (totals (copy-list (readiness-totals taskmaster))))
-    (incf (getf totals :connections-accepted) (connections-accepted taskmaster))
-    (if set
-        (add-readiness-statistics totals (readiness-set-statistics set))
-        (list* :parked-connections 0 :open-connections 0 totals))))
