@@ -259,7 +259,7 @@ HUNCHENTOOT:STOP.  An error ends only this connection; it is logged as
 Hunchentoot logs errors outside handlers."
   (let ((finished-p nil))
     (unwind-protect
-         (catch 'connection-cut
+         (with-connection-cut-point ()
            (handler-case
                (progn (with-connection-bindings ()
                         (serve-held-connection taskmaster worker set connection buffer))
@@ -274,22 +274,25 @@ Hunchentoot logs errors outside handlers."
 
 ;;; New connections.
 
-(defun open-connection (acceptor worker set fd)
+(defun open-connection (taskmaster worker set fd)
   "Enter the accepted connection FD into SET, read its addresses, and start
-TLS if ACCEPTOR speaks it.  The CONNECTION, held by the caller; NIL when
-the client has already gone or the handshake failed (FD is then closed)."
-  (let ((connection (add-connection set fd (make-connection-fd-stream
-                                            fd (hunchentoot:acceptor-read-timeout acceptor)))))
+TLS if the acceptor speaks it.  The CONNECTION, held by the caller; NIL when
+the client has already gone, the handshake failed or HUNCHENTOOT:STOP cut it
+(FD is then closed)."
+  (let* ((acceptor (hunchentoot:taskmaster-acceptor taskmaster))
+         (connection (add-connection set fd (make-connection-fd-stream
+                                             fd (hunchentoot:acceptor-read-timeout acceptor)))))
     (setf (connection-head-started connection) (get-internal-real-time))
-    (note-handshake-started worker)
     (let* ((addresses (ignore-errors (connection-addresses-of fd)))
            (stream (and addresses
                         ;; HUNCHENTOOT:STOP cuts a handshake that hangs.
-                        (catch 'connection-cut
-                          (ignore-errors
-                           (hunchentoot:initialize-connection-stream acceptor
-                                                                     (connection-fd-stream connection)))))))
-      (note-handshake-finished worker)
+                        (with-connection-cut-point ()
+                          (unwind-protect
+                               (and (note-handshake-started taskmaster worker)
+                                    (ignore-errors
+                                     (hunchentoot:initialize-connection-stream
+                                      acceptor (connection-fd-stream connection))))
+                            (note-handshake-finished worker))))))
       (cond (stream
              (setf (connection-addresses connection) addresses
                    (connection-stream connection) stream)
@@ -311,7 +314,7 @@ the client has already gone or the handshake failed (FD is then closed)."
     (rearm-listen-socket set)
     (when fd
       (count-accepted-connection set)
-      (let ((connection (open-connection (hunchentoot:taskmaster-acceptor taskmaster) worker set fd)))
+      (let ((connection (open-connection taskmaster worker set fd)))
         (when connection
           (serve-connection-safely taskmaster worker set connection (worker-head-buffer worker)))))))
 

@@ -452,8 +452,13 @@ surplus and retires now; the last waiting worker never retires."
       (atomic-decrement (readiness-set-waiting-count set))
       t)))
 
-(defun note-handshake-started (worker)
-  (setf (worker-state worker) :handshaking))
+(defun note-handshake-started (taskmaster worker)
+  "WORKER is about to read a TLS handshake.  False when the taskmaster is
+stopping and the connection should end instead (STOP sets its flag before it
+looks for handshakes to cut)."
+  (setf (worker-state worker) :handshaking)
+  (memory-barrier)
+  (not (shutting-down-p taskmaster)))
 
 (defun note-handshake-finished (worker)
   (setf (worker-state worker) :serving))
@@ -502,15 +507,29 @@ dies."
             collect (progn (setf (worker-cut-requested-p worker) t) worker) into chosen
           finally (return chosen))))
 
+(defvar *connection-cut-point-p* nil
+  "True in a worker thread inside WITH-CONNECTION-CUT-POINT, where
+CUT-CONNECTION's throw has its catcher.")
+
+(defmacro with-connection-cut-point (() &body body)
+  "Run BODY where CUT-CONNECTION may end it; a cut returns NIL from here.
+A worker enters the states CUT-CONNECTION is asked to cut only inside one,
+but the interrupt may still land just before or after it."
+  `(catch 'connection-cut
+     (let ((*connection-cut-point-p* t))
+       ,@body)))
+
 (defun cut-connection (worker states)
-  "Make WORKER drop its connection if, when the interrupt runs, it is in one
-of STATES.  If it has moved on, it becomes eligible to be cut again."
+  "Make WORKER drop its connection if, when the interrupt runs, it is inside a
+cut point and in one of STATES.  If it is not, it becomes eligible to be cut
+again."
   (let ((thread (worker-thread worker)))
     (when thread
       (ignore-errors
        (bt:interrupt-thread thread
                             (lambda ()
-                              (if (member (worker-state worker) states)
+                              (if (and *connection-cut-point-p*
+                                       (member (worker-state worker) states))
                                   (throw 'connection-cut nil)
                                   (setf (worker-cut-requested-p worker) nil))))))))
 
@@ -556,7 +575,7 @@ the worker is to end: the taskmaster is stopping or the worker is surplus."
                   (return nil)))))))))
 
 (defun serve-connection (taskmaster worker socket)
-  (catch 'connection-cut
+  (with-connection-cut-point ()
     (unwind-protect
          (hunchentoot:handle-incoming-connection taskmaster socket)
       (note-connection-finished taskmaster worker))))

@@ -180,6 +180,41 @@ the request; returns the function that joins the client (see IN-THREAD)."
       (is (not (eql 200 (first (funcall client))))))
     (is (= 0 (stats server :threads)))))
 
+;;; STOP's interrupt may land just before a worker enters its cut point or
+;;; just after it left, still in a state STOP cuts: the worker must go on
+;;; (a THROW without its catcher would end the thread, or the whole Lisp).
+(test stop.cut-lands-only-inside-a-cut-point
+  (with-thread-leak-check ()
+    (let* ((worker (hunchentoot-recycling-taskmaster::make-worker nil))
+           (phase :starting)
+           (thread (bt:make-thread
+                    (lambda ()
+                      (setf (hunchentoot-recycling-taskmaster::worker-thread worker) (bt:current-thread))
+                      (handler-case
+                          (flet ((wait-for (awaited)
+                                   (loop repeat 1000 until (eq phase awaited) do (sleep 0.01))))
+                            (setf phase :outside)
+                            (wait-for :go-inside)
+                            (hunchentoot-recycling-taskmaster::with-connection-cut-point ()
+                              (setf phase :inside)
+                              (wait-for :never)
+                              :not-cut))
+                        (error (condition) condition)))
+                    :name "cut-point test worker"))
+           (states '(:handshaking)))
+      (setf (hunchentoot-recycling-taskmaster::worker-state worker) :handshaking)
+      (flet ((cut ()
+               (setf (hunchentoot-recycling-taskmaster::worker-cut-requested-p worker) t)
+               (hunchentoot-recycling-taskmaster::cut-connection worker states)))
+        (is (wait-until (lambda () (eq phase :outside))))
+        (cut)
+        (is (wait-until (lambda () (not (hunchentoot-recycling-taskmaster::worker-cut-requested-p worker))))
+            "the interrupt outside the cut point ran, and left the worker to be cut later")
+        (setf phase :go-inside)
+        (is (wait-until (lambda () (eq phase :inside))))
+        (cut)
+        (is (eq nil (bt:join-thread thread)) "the cut inside the cut point ends it")))))
+
 (define-pool-test pool.stop-closes-idle-keep-alive-connections (standby)
   (let ((server (pooled-server :standby-thread-count standby)))
     (ht:start server)
@@ -268,6 +303,9 @@ the request; returns the function that joins the client (see IN-THREAD)."
   (with-thread-leak-check ()
     (with-server (server (pooled-server :standby-thread-count 2))
       (dotimes (i 5) (http-get server "/test/yo"))
+      ;; A worker counts a request once it has flushed the reply, which the
+      ;; client may have read a moment before.
+      (wait-until (lambda () (<= 5 (stats server :requests-served))))
       (let ((statistics (taskmaster-statistics server)))
         (dolist (key '(:threads :busy-threads :accepting-threads :in-request-threads
                        :queued-connections :connections-accepted :connections-rejected
