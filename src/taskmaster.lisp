@@ -20,8 +20,10 @@
 ;;;;
 ;;;; Interrupts.  Only HUNCHENTOOT:SHUTDOWN and the thread-making thread
 ;;;; interrupt a worker, and only to end the connection it serves.  The
-;;;; interrupt runs in the worker and throws only if the worker is still in
-;;;; one of the states it was aimed at, so it is harmless when it arrives late.
+;;;; interrupt runs in the worker and throws only if the worker is inside a
+;;;; cut point (WITH-CONNECTION-CUT-POINT, the throw's catcher) and still in
+;;;; one of the states it was aimed at, so it is harmless when it arrives
+;;;; early or late.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
