@@ -66,6 +66,14 @@ KEEP-ALIVE-TIMEOUT bound the waits between requests."))
           do (error 'invalid-acceptor-configuration
                     :initarg initarg :value seconds
                     :reason "must be a positive number of seconds"))
+  ;; Hunchentoot on SBCL has one timeout per socket for both directions, and
+  ;; otherwise signals its error at every accept, after the connection is made.
+  (unless (eql (hunchentoot:acceptor-read-timeout acceptor) (hunchentoot:acceptor-write-timeout acceptor))
+    (error 'invalid-acceptor-configuration
+           :initarg :write-timeout :value (hunchentoot:acceptor-write-timeout acceptor)
+           :reason (format nil "must equal :READ-TIMEOUT (~S): on SBCL one timeout bounds ~
+                                both reads and writes"
+                           (hunchentoot:acceptor-read-timeout acceptor))))
   (let ((bytes (acceptor-max-header-bytes acceptor)))
     (unless (and (integerp bytes) (<= 1024 bytes (* 1024 1024)))
       (error 'invalid-acceptor-configuration

@@ -36,7 +36,8 @@ MAX-THREAD-COUNT."))
   ()
   (:documentation "Signalled by MAKE-INSTANCE of a PARALLEL-ACCEPTOR for an
 unknown :CONNECTION-ENGINE, a timeout that is not a positive number of
-seconds, or an impossible :MAX-HEADER-BYTES."))
+seconds, a :WRITE-TIMEOUT other than the :READ-TIMEOUT, or an impossible
+:MAX-HEADER-BYTES."))
 
 (defmethod configuration-subject ((condition invalid-acceptor-configuration))
   "PARALLEL-ACCEPTOR configuration")

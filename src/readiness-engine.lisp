@@ -328,9 +328,26 @@ the client has already gone, the handshake failed or HUNCHENTOOT:STOP cut it
                (serve-connection-safely taskmaster worker set connection
                                         (worker-head-buffer worker)))))))
 
+(defvar *keep-alive-header-seconds* nil
+  "In a :READINESS-SET worker, the whole seconds a kept-alive connection
+stays open; NIL elsewhere.")
+
+(defmethod (setf hunchentoot:header-out) :around
+    (value (name (eql :keep-alive)) &optional (reply hunchentoot:*reply*))
+  "HUNCHENTOOT:START-OUTPUT writes Keep-Alive: timeout=<read timeout> when a
+client asks to be kept alive, but the :READINESS-SET engine closes an idle
+connection after KEEP-ALIVE-TIMEOUT: name that, or the client will send its
+next request on a connection being closed.  (START-OUTPUT overwrites any
+value a handler set, here as in Hunchentoot.)"
+  (call-next-method (if *keep-alive-header-seconds*
+                        (format nil "timeout=~D" *keep-alive-header-seconds*)
+                        value)
+                    name reply))
+
 (defun run-readiness-worker (taskmaster worker)
-  (let ((set (taskmaster-readiness-set taskmaster))
-        (hunchentoot:*acceptor* (hunchentoot:taskmaster-acceptor taskmaster)))
+  (let* ((set (taskmaster-readiness-set taskmaster))
+         (hunchentoot:*acceptor* (hunchentoot:taskmaster-acceptor taskmaster))
+         (*keep-alive-header-seconds* (floor (acceptor-keep-alive-timeout hunchentoot:*acceptor*))))
     (setf (worker-head-buffer worker)
           (make-array (head-buffer-bytes set) :element-type '(unsigned-byte 8)))
     (loop for token = (next-ready-token taskmaster worker set)

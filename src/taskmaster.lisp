@@ -540,15 +540,20 @@ again."
 (defun accept-connection (taskmaster)
   "Accept one connection from the listening socket: a usocket, or NIL when
 accept(2) timed out or failed."
-  (let ((acceptor (hunchentoot:taskmaster-acceptor taskmaster)))
+  (let ((acceptor (hunchentoot:taskmaster-acceptor taskmaster))
+        (socket nil))
     (handler-case
-        (let ((socket (usocket:socket-accept (acceptor-listen-socket acceptor)
-                                             :element-type '(unsigned-byte 8))))
+        (progn
+          (setf socket (usocket:socket-accept (acceptor-listen-socket acceptor)
+                                              :element-type '(unsigned-byte 8)))
           (when socket
             (apply-connection-timeouts acceptor socket))
           socket)
       (usocket:connection-aborted-error () nil)
       (error (condition)
+        ;; A connection accepted but not set up is closed, not leaked.
+        (when socket
+          (ignore-errors (usocket:socket-close socket)))
         (note-accept-failed taskmaster condition)
         nil))))
 

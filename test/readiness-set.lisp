@@ -198,6 +198,27 @@ then closed the connection."
       (is-true (closed-by-server-p socket))
       (is (= 0 (stats server :header-timeout-replies)) "closed without a 408"))))
 
+(defun keep-alive-header (server)
+  "The Keep-Alive header SERVER answers an HTTP/1.0 client asking for it with."
+  (with-connection (socket server)
+    (send-text socket (crlf-lines "GET /test/yo HTTP/1.0" "Connection: keep-alive" ""))
+    (multiple-value-bind (status body head) (read-response socket)
+      (declare (ignore body))
+      (and (eql status 200)
+           (cl-ppcre:register-groups-bind (value) ("(?im)^keep-alive:\\s*([^\\r]*)" head)
+             value)))))
+
+(test parking.keep-alive-header-names-the-keep-alive-timeout
+  (with-readiness-server (server :keep-alive-timeout 3 :read-timeout 20)
+    (is (equal "timeout=3" (keep-alive-header server))))
+  (with-readiness-server (server :keep-alive-timeout 2.5)
+    (is (equal "timeout=2" (keep-alive-header server)) "whole seconds, rounded down"))
+  (with-thread-leak-check ()
+    (with-server (server (make-server 'parallel-easy-acceptor :connection-engine :blocking
+                                                               :keep-alive-timeout 3 :read-timeout 20))
+      (is (equal "timeout=20" (keep-alive-header server))
+          "the blocking engine waits the read timeout, as Hunchentoot does, and says so"))))
+
 (test parking.slow-clients-do-not-delay-others
   ;; Slowloris in small: 100 connections trickle their heads while four
   ;; workers at most serve a normal client.
@@ -305,4 +326,6 @@ then closed the connection."
     (is (rejected-p :header-timeout 0))
     (is (rejected-p :keep-alive-timeout -1))
     (is (rejected-p :max-header-bytes 10))
+    (is (rejected-p :read-timeout 1 :write-timeout 2))
+    (is (rejected-p :connection-engine :blocking :read-timeout 1))
     (is (not (rejected-p :connection-engine :blocking :header-timeout 0.5)))))

@@ -123,8 +123,8 @@ start of OCTETS, or NIL."
           total)))))
 
 (defun read-response (socket &key (timeout 10))
-  "Status code and body (a string) of one Content-Length response read from
-SOCKET; NIL on EOF or timeout."
+  "Status code, body and head (strings) of one Content-Length response read
+from SOCKET; NIL on EOF or timeout."
   (let ((stream (usocket:socket-stream socket))
         (octets (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer t))
         (deadline (+ (get-internal-real-time) (* timeout internal-time-units-per-second))))
@@ -133,7 +133,9 @@ SOCKET; NIL on EOF or timeout."
         (when total
           (let* ((text (flex:octets-to-string octets :end total :external-format :utf-8))
                  (body-start (+ 4 (search (coerce '(#\Return #\Linefeed #\Return #\Linefeed) 'string) text))))
-            (return (values (parse-integer text :start 9 :end 12) (subseq text body-start))))))
+            (return (values (parse-integer text :start 9 :end 12)
+                            (subseq text body-start)
+                            (subseq text 0 body-start))))))
       (when (> (get-internal-real-time) deadline)
         (return nil))
       (if (usocket:wait-for-input socket :timeout 0.1 :ready-only t)
