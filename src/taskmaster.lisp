@@ -455,9 +455,9 @@ surplus and retires now; the last waiting worker never retires."
       t)))
 
 (defun note-handshake-started (taskmaster worker)
-  "WORKER is about to read a TLS handshake.  False when the taskmaster is
-stopping and the connection should end instead (STOP sets its flag before it
-looks for handshakes to cut)."
+  "WORKER is about to start a new connection's stream: the TLS handshake, on
+an SSL acceptor.  False when the taskmaster is stopping and the connection
+should end instead (STOP sets its flag before it looks for handshakes to cut)."
   (setf (worker-state worker) :handshaking)
   (memory-barrier)
   (not (shutting-down-p taskmaster)))

@@ -106,7 +106,7 @@ received) in the order of INPUTS."
 
 (defun status-line-p (octets)
   "True when OCTETS begin with an HTTP/1.x status line."
-  (and (>= (length octets) 12)
+  (and (>= (length octets) 13)
        (cl-ppcre:scan "^HTTP/1\\.[01] [1-5]\\d\\d "
                       (flex:octets-to-string octets :end 13 :external-format :latin-1))))
 
