@@ -115,18 +115,28 @@ Takes the same :SSL-CERTIFICATE-FILE, :SSL-PRIVATEKEY-FILE and
       (call-next-method)))
   acceptor)
 
-(defun abandon-pool (taskmaster)
-  "End every thread of TASKMASTER by force and forget them."
-  (with-pool-state-change (taskmaster)
-    (setf (shutting-down-p taskmaster) t))
-  (let* ((workers (with-pool-lock (taskmaster) (copy-list (pool-workers taskmaster))))
-         (threads (remove (bt:current-thread)
-                          (remove nil (cons (thread-maker taskmaster)
-                                            (mapcar #'worker-thread workers))))))
+(defun end-threads-by-force (threads)
+  "BT:DESTROY-THREAD each of THREADS but the calling one, then join each,
+waiting up to 2 s for it."
+  (let ((threads (remove (bt:current-thread) (remove nil threads))))
     (dolist (thread threads)
       (ignore-errors (bt:destroy-thread thread)))
     (dolist (thread threads)
-      (join-thread-within thread 2))
+      (join-thread-within thread 2))))
+
+(defun abandon-pool (taskmaster)
+  "End every thread of TASKMASTER by force and forget them.  The
+thread-making thread ends first: a worker it made after the workers were
+listed would outlive the pool, and its exit would count below zero."
+  (with-pool-state-change (taskmaster)
+    (setf (shutting-down-p taskmaster) t))
+  (end-threads-by-force (list (thread-maker taskmaster)))
+  (let ((workers (with-pool-lock (taskmaster) (copy-list (pool-workers taskmaster)))))
+    ;; A worker made just before the maker ended records its thread as it starts.
+    (loop repeat 200
+          while (some (lambda (worker) (null (worker-thread worker))) workers)
+          do (sleep 0.01))
+    (end-threads-by-force (mapcar #'worker-thread workers))
     (dolist (worker workers)
       (when (worker-socket worker)
         (ignore-errors (usocket:socket-close (worker-socket worker))))))

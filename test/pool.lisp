@@ -253,6 +253,22 @@ the request; returns the function that joins the client (see IN-THREAD)."
     (kill-a-worker)
     (abandon-and-check-port server)))
 
+(define-engine-test abandon.while-the-pool-grows ()
+  ;; The thread-making thread is busiest here: a worker it makes while the
+  ;; pool is abandoned must not outlive it, nor count the pool below zero.
+  (with-thread-leak-check ()
+    (loop repeat 5
+          do (let* ((server (pooled-server :standby-thread-count 1 :max-thread-count 40))
+                    (clients (progn (ht:start server)
+                                    (loop repeat 30
+                                          collect (in-thread (lambda () (http-get server "/test/sleep?ms=300")))))))
+               (wait-until (lambda () (< 1 (stats server :threads))))
+               (abandon-acceptor server)
+               (mapc #'funcall clients)
+               (is (= 0 (stats server :threads)))
+               (sleep 0.2)
+               (is (= 0 (stats server :threads)) "still none, and none below zero, a moment later")))))
+
 (ht:define-easy-handler (test-stubborn :uri "/test/stubborn") ()
   ;; Its cleanup outlives the stop timeout of the test below.
   (unwind-protect (sleep 10) (sleep 3)))
