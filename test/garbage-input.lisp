@@ -46,9 +46,10 @@
   (let* ((length (length octets))
          (position (funcall random (1+ length)))
          (end (min length (+ position 1 (funcall random 40)))))
-    (flet ((splice (inserted &key (from position) (to position))
+    (flet ((splice (inserted &key (to position))
+             ;; INSERTED replaces the octets from POSITION to TO.
              (concatenate '(vector (unsigned-byte 8))
-                          (subseq octets 0 from) inserted (subseq octets to))))
+                          (subseq octets 0 position) inserted (subseq octets to))))
       (ecase (funcall random 6)
         (0 (splice (vector (funcall random 256)) :to (min length (1+ position))))
         (1 (splice (vector (aref *awkward-octets* (funcall random (length *awkward-octets*))))))
