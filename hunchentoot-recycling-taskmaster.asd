@@ -1,30 +1,39 @@
 ;;;; ASDF systems: the library, its tests, its benchmarks.
 
 (defsystem "hunchentoot-recycling-taskmaster"
-  :description "A Hunchentoot taskmaster whose pooled worker threads share the
-listening socket and an epoll readiness set of the connections waiting for
-requests, with acceptors that use it by default."
+  :description "A Hunchentoot taskmaster whose pooled worker threads share an
+epoll readiness set of the listening socket and every connection waiting for
+bytes, with acceptors that use it by default."
   :license "BSD-2-Clause"
   :version "0.1.0"
   :depends-on ("hunchentoot" "usocket" "bordeaux-threads" "chunga" "cl-ppcre"
                "flexi-streams" (:feature :sbcl "sb-bsd-sockets"))
   :pathname "src/"
   :serial t
+  ;; In dependency order: each file uses only what the files before it define.
   :components ((:file "package")
-               (:file "sbcl")
+               (:module "sys" :serial t :components ((:file "sbcl-threads")
+                                           (:file "sbcl-sockets")))
                (:file "hunchentoot-internals")
                (:file "conditions")
-               (:file "request-head")
-               (:file "readiness-set")
-               (:file "taskmaster")
                (:file "acceptor")
-               (:file "connection")
-               (:file "readiness-engine"))
+               (:file "engine/protocol")
+               (:module "pool" :serial t :components ((:file "taskmaster")
+                                            (:file "worker")
+                                            (:file "thread-maker")
+                                            (:file "lifecycle")
+                                            (:file "statistics")))
+               (:module "engine" :serial t :components ((:file "request-head")
+                                              (:file "readiness-set")
+                                              (:file "arrived-octets")
+                                              (:file "request-cycle")
+                                              (:file "readiness-engine"))))
   :in-order-to ((test-op (test-op "hunchentoot-recycling-taskmaster/test"))))
 
 (defsystem "hunchentoot-recycling-taskmaster/test"
-  :description "FiveAM tests: one HTTP behaviour suite run against Hunchentoot's
-easy-acceptor and ours, and the thread-pool tests."
+  :description "FiveAM tests: one HTTP behaviour suite and Hunchentoot's
+extension points run against Hunchentoot's easy-acceptor and ours, the
+thread-pool tests, the readiness engine over the wire, and STOP under load."
   :depends-on ("hunchentoot-recycling-taskmaster" "fiveam" "drakma" "cl+ssl"
                "flexi-streams" "cl-ppcre")
   :pathname "test/"
@@ -36,7 +45,9 @@ easy-acceptor and ours, and the thread-pool tests."
                (:file "overload")
                (:file "request-head")
                (:file "readiness-set")
-               (:file "garbage-input"))
+               (:file "garbage-input")
+               (:file "extension-points")
+               (:file "stop"))
   :perform (test-op (o c)
              (unless (symbol-call :hunchentoot-recycling-taskmaster-test :run-tests)
                (error "hunchentoot-recycling-taskmaster: tests failed"))))

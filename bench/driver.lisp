@@ -7,28 +7,11 @@
 (defparameter *servers*
   '((:name "hunchentoot" :label "Hunchentoot easy-acceptor" :lisp :hunchentoot)
     (:name "parallel" :label "parallel-easy-acceptor" :lisp :parallel)
-    (:name "parallel-blocking" :label "parallel, blocking engine" :lisp :parallel-blocking)
     (:name "aserve" :label "Portable AllegroServe" :lisp :aserve)
     (:name "nginx" :label "nginx, 2 workers" :nginx t))
   "The servers measured, in table and chart order.  The first is the baseline
 that every ratio is taken against.  A :LISP server is a kind that SERVE
 starts in a process of its own; :NGINX runs Debian's nginx.")
-
-(defparameter *grace-servers*
-  '((:name "park-at-once" :label "park at once" :lisp :parallel-park-at-once)
-    (:name "try-once" :label "one read without waiting, then park" :lisp :parallel-try-once)
-    (:name "grace-1ms" :label "wait up to 1 ms, then park" :lisp :parallel-grace-1ms))
-  "What a worker does with a kept-alive connection it has just answered, as
-servers for RUN-BENCHMARKS: bench/run grace.")
-
-(defparameter *engine-servers*
-  '((:name "parallel-blocking" :label "parallel, blocking engine" :lisp :parallel-blocking)
-    (:name "parallel" :label "parallel-easy-acceptor" :lisp :parallel))
-  "The two connection engines alone, the blocking one first so that every
-ratio reads readiness set / blocking: bench/run engines.")
-
-(defun keep-alive-workloads ()
-  (remove-if (lambda (workload) (getf workload :close)) (workloads nil)))
 
 (defun workloads (quick)
   "Every workload: handler delay, keep-alive or one request per connection,
@@ -334,23 +317,6 @@ median requests/s, carrying every round's requests/s as :ROUNDS."
                (nth (floor (1- (length sorted)) 2) sorted))
         (first cells))))
 
-(defun engine-table (results workloads)
-  "Markdown: per workload, the readiness-set engine's requests/s as a ratio
-to the blocking engine's, or NIL when the run measured only one of them."
-  (flet ((rate (name workload)
-           (getf (third (find-if (lambda (result) (and (equal (getf (first result) :name) name)
-                                                       (equal (second result) workload)))
-                                 results))
-                 :requests-per-second)))
-    (when (and (find "parallel" *servers* :key (lambda (server) (getf server :name)) :test #'equal)
-               (find "parallel-blocking" *servers* :key (lambda (server) (getf server :name)) :test #'equal))
-      (with-output-to-string (out)
-        (format out "| workload | parallel / parallel-blocking |~%|---|---:|~%")
-        (dolist (workload workloads)
-          (let ((ratio (ratio-to (rate "parallel" workload) (rate "parallel-blocking" workload))))
-            (format out "| ~A | ~:[failed~;~:*~Ax~:[~; (more than 5% below)~]~] |~%"
-                    (workload-name workload) (and ratio (ratio-text ratio)) (and ratio (< ratio 0.95)))))))))
-
 (defun run-benchmarks (&key quick core (servers *servers*) (workloads (workloads quick))
                             (rounds (if quick 1 3)) (seconds (if quick 2 5))
                             (output-root "bench/results/"))
@@ -404,23 +370,10 @@ Returns the directory."
       (write-chart directory results workloads :p99-ms
                    (format nil "p99 latency, ms (log scale, lower is better); labels: ratio to ~A" baseline)
                    "p99-latency" baseline-cells))
-    (let ((table (summary-table results workloads baseline-cells))
-          (engines (engine-table results workloads)))
+    (let ((table (summary-table results workloads baseline-cells)))
       (with-open-file (out (concatenate 'string directory "summary.md") :direction :output)
         (format out "Requests/s, the median of ~D round~:P of ~D s per cell, as a ratio to ~A in this run:~%~%~A"
-                rounds seconds (getf (first *servers*) :name) table)
-        (when engines
-          (format out "~%The two connection engines side by side:~%~%~A" engines)))
-      (format t "~&~%Requests/s (median of ~D round~:P), ratio to ~A in this run (~A):~%~A~%~@[~A~%~]Results: ~A~%"
-              rounds (getf (first *servers*) :name) directory table engines directory))
+                rounds seconds (getf (first *servers*) :name) table))
+      (format t "~&~%Requests/s (median of ~D round~:P), ratio to ~A in this run (~A):~%~A~%Results: ~A~%"
+              rounds (getf (first *servers*) :name) directory table directory))
     directory))
-
-(defun run-grace-comparison (&key core)
-  "bench/run grace: the keep-alive workloads against each choice of
-*KEEP-ALIVE-GRACE-MILLISECONDS*."
-  (run-benchmarks :core core :servers *grace-servers* :workloads (keep-alive-workloads)))
-
-(defun run-engine-comparison (&key core)
-  "bench/run engines: the two connection engines on every workload, in 7
-rounds, for a median that the machine's noise moves less."
-  (run-benchmarks :core core :servers *engine-servers* :rounds 7))

@@ -6,8 +6,7 @@
 (defpackage #:hunchentoot-recycling-taskmaster-bench
   (:use #:cl)
   (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster))
-  (:export #:serve #:run-benchmarks #:run-grace-comparison #:run-engine-comparison
-           #:run-connection-load))
+  (:export #:serve #:run-benchmarks #:run-connection-load))
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
@@ -92,12 +91,6 @@ last reset, on one line."
   (ecase kind
     (:hunchentoot (start-hunchentoot port 'ht:easy-acceptor))
     (:parallel (start-hunchentoot port 'hrt:parallel-easy-acceptor))
-    (:parallel-blocking
-     (start-hunchentoot port 'hrt:parallel-easy-acceptor :connection-engine :blocking))
-    ((:parallel-park-at-once :parallel-try-once :parallel-grace-1ms)
-     (setf hrt::*keep-alive-grace-milliseconds*
-           (ecase kind (:parallel-park-at-once nil) (:parallel-try-once 0) (:parallel-grace-1ms 1)))
-     (start-hunchentoot port 'hrt:parallel-easy-acceptor))
     (:aserve (start-aserve port))))
 
 (defun serve (kind port &key (delay-ms 0))

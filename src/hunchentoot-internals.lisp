@@ -9,10 +9,12 @@ sees the same default here."
   hunchentoot::*default-max-thread-count*)
 
 (defun default-max-accept-count ()
-  "Hunchentoot's default for MAX-ACCEPT-COUNT (MAX-THREAD-COUNT + 20)."
+  "Hunchentoot's default for MAX-ACCEPT-COUNT (MAX-THREAD-COUNT + 20), which a
+RECYCLING-TASKMASTER takes but does not need."
   hunchentoot::*default-max-accept-count*)
 
 (defun acceptor-listen-socket (acceptor)
+  "The usocket ACCEPTOR listens on while started."
   (hunchentoot::acceptor-listen-socket acceptor))
 
 (defun (setf acceptor-listen-socket) (socket acceptor)
@@ -26,14 +28,8 @@ sees the same default here."
   (setf (hunchentoot::acceptor-shutdown-p acceptor) value))
 
 (defun acceptor-taskmaster (acceptor)
+  "ACCEPTOR's taskmaster, which Hunchentoot does not export a reader for."
   (hunchentoot::acceptor-taskmaster acceptor))
-
-(defun apply-connection-timeouts (acceptor socket)
-  "Give SOCKET the acceptor's read and write timeouts, as Hunchentoot's own
-ACCEPT-CONNECTIONS does."
-  (hunchentoot::set-timeouts socket
-                             (hunchentoot:acceptor-read-timeout acceptor)
-                             (hunchentoot:acceptor-write-timeout acceptor)))
 
 (defmacro with-connection-bindings (() &body body)
   "Bind the per-connection specials that Hunchentoot's reply code reads and
@@ -49,6 +45,7 @@ START-OUTPUT clears it when the reply keeps the connection alive."
      ,@body))
 
 (defun current-connection-stream ()
+  "The stream Hunchentoot's reply code writes the current reply to."
   hunchentoot::*hunchentoot-stream*)
 
 (defun (setf current-connection-stream) (stream)
@@ -62,21 +59,7 @@ START-OUTPUT clears it when the reply keeps the connection alive."
   "True when the reply just sent ends the connection."
   hunchentoot::*finish-processing-socket*)
 
-(defun read-request-head (stream)
-  "Read a request line and headers from STREAM.  Returns the headers alist,
-the method keyword, the URI string and the protocol keyword; NIL when the
-client sent no request."
-  (hunchentoot::get-request-data stream))
-
 (defun call-with-request-counted (acceptor function)
-  "Call FUNCTION with the acceptor's requests-in-progress counter raised, so
-that a soft HUNCHENTOOT:STOP waits for it."
+  "Call FUNCTION with ACCEPTOR's count of requests in progress raised, as
+Hunchentoot's own connection loop does."
   (hunchentoot::do-with-acceptor-request-count-incremented acceptor function))
-
-(defun make-acceptor-request (acceptor socket headers-in content-stream method uri protocol)
-  (hunchentoot::acceptor-make-request acceptor socket
-                                      :headers-in headers-in
-                                      :content-stream content-stream
-                                      :method method
-                                      :uri uri
-                                      :server-protocol protocol))

@@ -83,17 +83,14 @@
       (make-server class)))
 
 (defmacro define-http-test (name (&key (classes '*http-acceptor-classes*)) &body body)
-  "Define NAME.<class> for each acceptor class in CLASSES (NAME.<class>.<engine>
-for each connection engine of a parallel one), each running BODY with
-*SERVER* bound to a started server of that class."
+  "Define NAME.<class> for each acceptor class in CLASSES, each running BODY
+with *SERVER* bound to a started server of that class."
   `(progn
      ,@(loop for class in (symbol-value classes)
-             append (loop for engine in (if (subtypep class 'parallel-acceptor) *engines* '(nil))
-                          collect `(test ,(intern (format nil "~A.~A~@[.~A~]" name class engine))
-                                     (let ((*engine* ,engine))
-                                       (with-thread-leak-check ()
-                                         (with-server (*server* (make-test-server ',class))
-                                           ,@body))))))))
+             collect `(test ,(intern (format nil "~A.~A" name class))
+                        (with-thread-leak-check ()
+                          (with-server (*server* (make-test-server ',class))
+                            ,@body))))))
 
 (define-http-test http.get-parameters ()
   (multiple-value-bind (status body) (http-get *server* "/test/params" :parameters '(("a" . "1") ("b" . "two words")))

@@ -11,36 +11,18 @@
     (prog1 (usocket:get-local-port socket)
       (usocket:socket-close socket))))
 
-(eval-when (:compile-toplevel :load-toplevel :execute)
-  (defparameter *engines* '(:readiness-set :blocking)
-    "Every connection engine; tests of the acceptors run once with each."))
-
-(defvar *engine* :readiness-set
-  "The connection engine MAKE-SERVER gives a parallel acceptor unless told.")
-
 (defun make-server (class &rest initargs)
-  "An acceptor of CLASS on a free port of 127.0.0.1, logging nothing; a
-parallel one runs *ENGINE* unless INITARGS say otherwise."
-  (apply #'make-instance class :port 0 :address "127.0.0.1"
-                               :access-log-destination nil
-                               :message-log-destination nil
-                               (if (subtypep class 'parallel-acceptor)
-                                   (append initargs (list :connection-engine *engine*))
-                                   initargs)))
+  "An acceptor of CLASS on a free port of 127.0.0.1, logging nothing unless
+INITARGS say otherwise."
+  (apply #'make-instance class (append initargs
+                                       (list :port 0 :address "127.0.0.1"
+                                             :access-log-destination nil
+                                             :message-log-destination nil))))
 
 (defun pooled-server (&rest taskmaster-initargs)
   "A PARALLEL-EASY-ACCEPTOR with a RECYCLING-TASKMASTER made of TASKMASTER-INITARGS."
   (make-server 'parallel-easy-acceptor
                :taskmaster (apply #'make-instance 'recycling-taskmaster taskmaster-initargs)))
-
-(defmacro define-engine-test (name (&key (engines '*engines*)) &body body)
-  "Define NAME.<engine> for each connection engine in ENGINES, each running
-BODY with *ENGINE* bound to it."
-  `(progn
-     ,@(loop for engine in (symbol-value engines)
-             collect `(test ,(intern (format nil "~A.~A" name engine))
-                        (let ((*engine* ,engine))
-                          ,@body)))))
 
 (defun url (server path)
   (format nil "~:[http~;https~]://127.0.0.1:~D~A"
@@ -68,15 +50,19 @@ SBCL, and a lost request must fail its test, not hang the suite."
         when (> (get-internal-real-time) deadline) return nil
         do (sleep interval)))
 
-(defun thread-count () (length (bt:all-threads)))
+(defun threads-started-since (threads-before)
+  "The live threads that are not among THREADS-BEFORE."
+  (set-difference (bt:all-threads) threads-before))
 
 (defmacro with-thread-leak-check (() &body body)
-  "Run BODY, then check that every thread it started has ended."
+  "Run BODY, then check that every thread it started has ended, by identity:
+a thread BODY leaked is not hidden by one that ended meanwhile."
   (let ((before (gensym "BEFORE")))
-    `(let ((,before (thread-count)))
+    `(let ((,before (bt:all-threads)))
        (multiple-value-prog1 (progn ,@body)
-         (is (wait-until (lambda () (<= (thread-count) ,before)) :timeout 10)
-             "thread leak: ~D threads before, ~D after" ,before (thread-count))))))
+         (is (wait-until (lambda () (null (threads-started-since ,before))) :timeout 10)
+             "thread leak: ~{~A~^, ~} still alive"
+             (mapcar #'bt:thread-name (threads-started-since ,before)))))))
 
 (defmacro with-server ((var form) &body body)
   "Start the acceptor FORM as VAR for BODY; stop it afterwards, by force if

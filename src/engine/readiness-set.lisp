@@ -45,6 +45,9 @@
   ;; The peer's and our address and port, as Hunchentoot's request holds
   ;; them: read once per connection, not once per request.
   (addresses '() :type list)
+  ;; The CONNECTION-SOCKET that HUNCHENTOOT:PROCESS-CONNECTION is called
+  ;; with for this connection.
+  (socket nil)
   ;; Internal real time the head being read began to arrive (or the
   ;; connection was accepted); NIL between requests of a kept-alive one.
   (head-started nil :type (or null fixnum)))
@@ -88,20 +91,14 @@ taskmaster keeps it from run to run; each run's set counts into it."
   (header-timeout 0 :type fixnum :read-only t)
   ;; Internal time units a kept-alive connection may wait for its next request.
   (keep-alive-timeout 0 :type fixnum :read-only t)
-  (max-header-bytes 0 :type fixnum :read-only t)
   ;; Connections in the table, held by workers or parked.
   (connection-count 0 :type fixnum)
-  ;; Workers in (or entering) epoll_wait on this set.
-  (waiting-count 0 :type word)
   ;; Connections parked now.
   (parked-count 0 :type word)
   ;; The taskmaster's CONNECTION-COUNTERS, which this set counts into.
   (counters nil :type connection-counters :read-only t))
 
-(defun seconds->internal-units (seconds)
-  (round (* seconds internal-time-units-per-second)))
-
-(defun make-readiness-set (listen-socket counters &key header-timeout keep-alive-timeout max-header-bytes)
+(defun make-readiness-set (listen-socket counters &key header-timeout keep-alive-timeout)
   "A readiness set watching LISTEN-SOCKET (made non-blocking: a worker woken
 for it may find the connection already taken), counting into COUNTERS.  The
 timeouts are in seconds."
@@ -110,8 +107,7 @@ timeouts are in seconds."
                                    :listen-fd (socket-file-descriptor listen-socket)
                                    :counters counters
                                    :header-timeout (seconds->internal-units header-timeout)
-                                   :keep-alive-timeout (seconds->internal-units keep-alive-timeout)
-                                   :max-header-bytes max-header-bytes)))
+                                   :keep-alive-timeout (seconds->internal-units keep-alive-timeout))))
     (set-non-blocking listen-socket)
     (epoll-watch epoll-fd (readiness-set-listen-fd set) +listen-token+ :one-shot t)
     (epoll-watch epoll-fd (readiness-set-wakeup-fd set) +wakeup-token+)
@@ -279,11 +275,11 @@ that did not arrive in time, a plain close for an idle keep-alive one."
            (close-connection set connection)))))
 
 (defun readiness-statistics (set counters)
-  "The readiness-set part of TASKMASTER-STATISTICS: what SET (NIL when none
-runs) holds now, and what COUNTERS counted ever, but for
-:CONNECTIONS-ACCEPTED."
+  "The readiness engine's part of TASKMASTER-STATISTICS: what SET (NIL when
+none runs) holds now, and what COUNTERS counted ever."
   (list* :parked-connections (if set (readiness-set-parked-count set) 0)
          :open-connections (if set (readiness-set-connection-count set) 0)
+         :connections-accepted (connection-counters-accepted counters)
          :keep-alive-timeouts (connection-counters-keep-alive-timeouts counters)
          (loop for (nil . key) in *limit-statistics*
                for count across (connection-counters-refused-heads counters)

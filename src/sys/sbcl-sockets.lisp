@@ -1,86 +1,50 @@
-;;;; Every use of SBCL internals (sb-alien, sb-bsd-sockets, sb-sys,
-;;;; sb-unix) lives in this file, so that the next SBCL breaks in one place.
+;;;; Every use of SBCL's socket and foreign-call internals (sb-alien,
+;;;; sb-bsd-sockets, sb-unix, sb-sys) lives in this file, so that the next
+;;;; SBCL breaks in one place: Linux epoll(7), eventfd(2), accept4(2),
+;;;; recv(2), send(2), shutdown(2), the peer's address, and the fd-stream a
+;;;; connection is read and written through.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defconstant +sol-socket+ 1)
-(defconstant +so-rcvtimeo+ 20)
+#-linux
+(error "hunchentoot-recycling-taskmaster needs Linux: its readiness set is epoll(7).")
+
+;;; Linux's constants, in one place.  The errno values SBCL exports are
+;;; taken from it; the rest are the same on x86-64 and aarch64 Linux.
+
+(defconstant +epoll-cloexec+ #o2000000)
+(defconstant +epoll-ctl-add+ 1)
+(defconstant +epoll-ctl-mod+ 3)
+(defconstant +epollin+ #x001)
+(defconstant +epollrdhup+ #x2000)
+(defconstant +epolloneshot+ (ash 1 30))
+(defconstant +epoll-event-bytes+ #+x86-64 12 #-x86-64 16
+  "The size of struct epoll_event: packed on x86-64 only (glibc's
+__EPOLL_PACKED), naturally aligned elsewhere.")
+(defconstant +epoll-data-offset+ #+x86-64 4 #-x86-64 8
+  "Where the 64-bit data member of struct epoll_event starts, after the
+32-bit events member.")
+(defconstant +eintr+ sb-unix:eintr)
+(defconstant +eagain+ sb-unix:eagain)
+(defconstant +econnaborted+ 103)
+(defconstant +msg-peek+ 2)
+(defconstant +msg-dontwait+ #x40)
+(defconstant +msg-nosignal+ #x4000)
+(defconstant +efd-cloexec+ #o2000000)
+(defconstant +sock-cloexec+ #o2000000)
+(defconstant +shut-wr+ 1)
+(defconstant +shut-rdwr+ 2)
+(defconstant +sockaddr-in-bytes+ 16)
 
 (defun socket-file-descriptor (usocket)
   (sb-bsd-sockets:socket-file-descriptor (usocket:socket usocket)))
-
-(defun set-accept-timeout (listen-socket seconds)
-  "Make accept(2) on LISTEN-SOCKET (a usocket) give up after SECONDS, so that
-a worker blocked in it wakes to look at the pool.  Linux applies SO_RCVTIMEO
-to accept(2); USOCKET:SOCKET-ACCEPT then returns NIL."
-  (multiple-value-bind (whole-seconds fraction) (floor seconds)
-    (sb-alien:with-alien ((timeval (array sb-alien:long 2)))
-      (setf (sb-alien:deref timeval 0) whole-seconds
-            (sb-alien:deref timeval 1) (floor (* fraction 1000000)))
-      (let ((result (sb-alien:alien-funcall
-                     (sb-alien:extern-alien "setsockopt"
-                                            (function sb-alien:int sb-alien:int sb-alien:int
-                                                      sb-alien:int (* t) sb-alien:unsigned))
-                     (socket-file-descriptor listen-socket)
-                     +sol-socket+ +so-rcvtimeo+ (sb-alien:alien-sap timeval)
-                     (* 2 (sb-alien:alien-size sb-alien:long :bytes)))))
-        (unless (zerop result)
-          (error "setsockopt(SO_RCVTIMEO) failed: errno ~D" (sb-alien:get-errno)))))))
-
-(defun wake-accepting-threads (listen-socket)
-  "Make every accept(2) blocked on LISTEN-SOCKET, and every later one, fail
-at once.  On Linux shutdown(2) of a listening socket does that; close(2)
-would leave the blocked threads sleeping."
-  (ignore-errors
-   (sb-bsd-sockets:socket-shutdown (usocket:socket listen-socket) :direction :input)))
-
-(defun shut-down-output (usocket)
-  "Send FIN on USOCKET while its input stays readable."
-  (shut-down-fd-output (socket-file-descriptor usocket)))
 
 (defun wait-until-readable (usocket milliseconds)
   "True when USOCKET has input (or EOF) within MILLISECONDS.  Uses poll(2),
 which, unlike USOCKET:WAIT-FOR-INPUT's select(2), takes descriptors past 1024."
   (wait-until-fd-readable (socket-file-descriptor usocket) milliseconds))
 
-(defmacro without-interrupts (&body body)
-  "Run BODY with BT:INTERRUPT-THREAD deferred, so that an interrupt cannot
-leave a pool state change half done."
-  `(sb-sys:without-interrupts ,@body))
-
-(defun condition-broadcast (condition-variable)
-  "Wake every thread waiting on CONDITION-VARIABLE; bordeaux-threads 0.8.8
-can only wake one."
-  (sb-thread:condition-broadcast condition-variable))
-
-(defun join-thread-within (thread seconds)
-  "Join THREAD, giving up after SECONDS.  True when it ended."
-  (multiple-value-bind (result problem)
-      (sb-thread:join-thread thread :default nil :timeout seconds)
-    (declare (ignore result))
-    (not (eq problem :timeout))))
-
-(defmacro memory-barrier ()
-  "Order this thread's earlier writes before its later reads, which x86-64
-does not do by itself."
-  `(sb-thread:barrier (:memory)))
-
-;;; The readiness set: Linux epoll(7), and an eventfd(2) to wake its waiters.
-
-(defconstant +epoll-cloexec+ #o2000000)
-(defconstant +epoll-ctl-add+ 1)
-(defconstant +epoll-ctl-del+ 2)
-(defconstant +epoll-ctl-mod+ 3)
-(defconstant +epollin+ #x001)
-(defconstant +epollrdhup+ #x2000)
-(defconstant +epolloneshot+ (ash 1 30))
-(defconstant +epoll-event-bytes+ 12
-  "struct epoll_event is packed on x86-64: events (uint32) at 0, data (uint64) at 4.")
-(defconstant +eintr+ 4)
-(defconstant +eagain+ 11)
-(defconstant +msg-dontwait+ #x40)
-(defconstant +msg-nosignal+ #x4000)
-(defconstant +efd-cloexec+ #o2000000)
+;;; The readiness set: epoll(7), and an eventfd(2) to wake its waiters.
 
 (defun foreign-error (function)
   (error "~A failed: errno ~D" function (sb-alien:get-errno)))
@@ -98,7 +62,7 @@ does not do by itself."
   (sb-alien:with-alien ((event (array (sb-alien:unsigned 8) #.+epoll-event-bytes+)))
     (let ((sap (sb-alien:alien-sap event)))
       (setf (sb-sys:sap-ref-32 sap 0) events
-            (sb-sys:sap-ref-64 sap 4) token)
+            (sb-sys:sap-ref-64 sap +epoll-data-offset+) token)
       (zerop (sb-alien:alien-funcall
               (sb-alien:extern-alien "epoll_ctl" (function sb-alien:int sb-alien:int sb-alien:int
                                                            sb-alien:int sb-sys:system-area-pointer))
@@ -115,9 +79,6 @@ FD once it has been reported to one waiter, until EPOLL-REARM."
   (epoll-control epoll-fd +epoll-ctl-mod+ fd token
                  (logior +epollin+ +epollrdhup+ +epolloneshot+)))
 
-(defun epoll-forget (epoll-fd fd)
-  (epoll-control epoll-fd +epoll-ctl-del+ fd 0 0))
-
 (defun epoll-wait-one (epoll-fd milliseconds)
   "Wait up to MILLISECONDS for one ready descriptor: its token, :TIMEOUT, or
 :INTERRUPTED (EINTR: SBCL stops every thread with a signal for garbage
@@ -129,7 +90,7 @@ collection several times a second, and interrupts arrive the same way)."
                                                                  sb-sys:system-area-pointer
                                                                  sb-alien:int sb-alien:int))
                    epoll-fd sap 1 milliseconds)))
-      (cond ((= count 1) (sb-sys:sap-ref-64 sap 4))
+      (cond ((= count 1) (sb-sys:sap-ref-64 sap +epoll-data-offset+))
             ((zerop count) :timeout)
             ((= (sb-alien:get-errno) +eintr+) :interrupted)
             (t (foreign-error "epoll_wait"))))))
@@ -190,25 +151,7 @@ does not take is dropped.  For short replies on a connection about to close."
   "True when FD has input (or EOF) within MILLISECONDS."
   (sb-unix:unix-simple-poll fd :input milliseconds))
 
-;;; Atomic operations on structure slots.
-
-(defmacro atomic-increment (place)
-  "Add one to PLACE, a structure slot of type WORD; returns the old value."
-  `(sb-ext:atomic-incf ,place))
-
-(defmacro atomic-decrement (place)
-  "Subtract one from PLACE, a structure slot of type WORD; returns the old value."
-  `(sb-ext:atomic-decf ,place))
-
-(defmacro compare-and-swap (place old new)
-  "Set PLACE, a structure slot of type T, to NEW if it is EQ to OLD.  True when it was."
-  (let ((old-value (gensym "OLD")))
-    `(let ((,old-value ,old))
-       (eq ,old-value (sb-ext:compare-and-swap ,place ,old-value ,new)))))
-
-(deftype word () 'sb-ext:word)
-
-(defconstant +msg-peek+ 2)
+;;; Connections.
 
 (defun end-of-file-p (fd)
   "True when FD's peer has closed the connection and no byte remains unread."
@@ -217,11 +160,6 @@ does not take is dropped.  For short replies on a connection about to close."
             (sb-alien:extern-alien "recv" (function sb-alien:long sb-alien:int sb-sys:system-area-pointer
                                                     sb-alien:unsigned-long sb-alien:int))
             fd (sb-alien:alien-sap (sb-alien:addr octet)) 1 (logior +msg-peek+ +msg-dontwait+)))))
-
-(defconstant +sock-cloexec+ #o2000000)
-(defconstant +econnaborted+ 103)
-(defconstant +shut-wr+ 1)
-(defconstant +sockaddr-in-bytes+ 16)
 
 (defun accept-connection-fd (listen-fd)
   "accept4(2) on the non-blocking LISTEN-FD: the new connection's descriptor,
@@ -279,3 +217,11 @@ finalizer: the readiness set closes every connection itself."
   "Send FIN on the connection FD while its input stays readable."
   (sb-alien:alien-funcall (sb-alien:extern-alien "shutdown" (function sb-alien:int sb-alien:int sb-alien:int))
                           fd +shut-wr+))
+
+(defun shut-down-fd (fd)
+  "Shut the connection FD down both ways without closing it: a thread
+blocked reading or writing it (in Lisp or inside OpenSSL) returns at once
+with end of file or an error and unwinds by itself.  The descriptor stays
+its holder's to close, so it cannot be reused meanwhile."
+  (sb-alien:alien-funcall (sb-alien:extern-alien "shutdown" (function sb-alien:int sb-alien:int sb-alien:int))
+                          fd +shut-rdwr+))

@@ -1,0 +1,83 @@
+;;;; What has arrived on a connection, read without waiting into a worker's
+;;;; buffer, and the streams a request body is read through: the body
+;;;; octets that came with the head first, then the connection.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defun read-arrived-octets (stream buffer start end)
+  "Read into BUFFER from START below END the octets STREAM can give without
+waiting; the position after the last one."
+  (loop with position = start
+        while (and (< position end) (listen stream))
+        do (setf (aref buffer position) (read-byte stream))
+           (incf position)
+        finally (return position)))
+
+(defun receive-from-stream (stream fd buffer start end)
+  "Take what STREAM (an SSL stream) has decrypted, without waiting, into BUFFER.
+LISTEN reads ahead into the stream's own buffer, so bytes decrypted
+earlier are found there, not on the socket."
+  (handler-case
+      (let ((position (read-arrived-octets stream buffer start end)))
+        (cond ((> position start) (- position start))
+              ((end-of-file-p fd) 0)
+              (t :would-block)))
+    (error () :error)))
+
+(defun receive-bytes (connection buffer start end)
+  "Bytes that have arrived on CONNECTION, into BUFFER from START below END:
+their count, 0 at end of file, :WOULD-BLOCK or :ERROR."
+  (if (plain-connection-p connection)
+      (receive-available (connection-fd connection) buffer start end)
+      (receive-from-stream (connection-stream connection) (connection-fd connection) buffer start end)))
+
+(defun take-pending-bytes (connection buffer)
+  "Move CONNECTION's pending octets to the start of BUFFER; their count."
+  (let ((pending (shiftf (connection-pending connection) nil)))
+    (if pending
+        (progn (replace buffer pending) (length pending))
+        0)))
+
+(defun drain-stream-buffer (stream buffer start)
+  "Move the octets STREAM has read ahead of the request body into BUFFER from
+START: they begin the next request.  The new end, or NIL when they do not fit."
+  (let ((position (read-arrived-octets stream buffer start (length buffer))))
+    (unless (and (= position (length buffer)) (listen stream))
+      position)))
+
+(defun content-stream-for (headers stream buffer body-start end)
+  "The stream a request body is read from: the body octets already in BUFFER
+from BODY-START below END, then STREAM; decoded from chunked if the client
+says so.  Second value: the in-memory stream of the buffered octets, or NIL.
+Third value: true when the content stream is chunked."
+  (let* ((buffered (and (< body-start end)
+                        (flex:make-in-memory-input-stream buffer :start body-start :end end)))
+         (content (if buffered (make-concatenated-stream buffered stream) stream)))
+    (if (assoc :transfer-encoding headers)
+        (let ((chunked (chunga:make-chunked-stream
+                        (if buffered (make-two-way-stream content stream) stream))))
+          (setf (chunga:chunked-stream-input-chunking-p chunked) t)
+          (values chunked buffered t))
+        (values content buffered nil))))
+
+(defun unread-octets (in-memory-stream)
+  (let ((octets (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
+    (loop for octet = (read-byte in-memory-stream nil)
+          while octet
+          do (vector-push-extend octet octets))
+    octets))
+
+(defun next-request-octets (connection buffer body-p buffered head-end end)
+  "After a request, move what is left of the client's input to the start of
+BUFFER: the end of the octets that begin the next request, or NIL when they
+do not fit (the connection is then closed)."
+  (cond ((not body-p)
+         (replace buffer buffer :start2 head-end :end2 end)
+         (- end head-end))
+        (t
+         (let* ((unread (if buffered (unread-octets buffered) #()))
+                (stream (connection-stream connection)))
+           (replace buffer unread)
+           (if (plain-connection-p connection)
+               (drain-stream-buffer stream buffer (length unread))
+               (length unread))))))

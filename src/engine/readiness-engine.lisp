@@ -1,0 +1,296 @@
+;;;; The readiness engine.  Workers wait on the acceptor's readiness set;
+;;;; woken for the listening socket a worker accepts a connection, woken for
+;;;; a parked connection it takes it.  Either way it then serves the
+;;;; connection inside HUNCHENTOOT:PROCESS-CONNECTION: it answers every
+;;;; complete request head that has arrived and parks the connection again
+;;;; -- with the bytes of a partial head, if any -- as soon as the socket has
+;;;; nothing more.  A thread is held only while a head is parsed, a TLS
+;;;; handshake done or a request answered.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defconstant +sweep-interval-seconds+ 1/4
+  "How often parked connections whose deadline has passed are ended: the
+precision of the header and keep-alive timeouts.")
+
+(defconstant +accept-failure-pause-seconds+ 1/10
+  "How long a worker pauses after accept(2) failed for a reason that
+persists (EMFILE, ENFILE), so as not to spin on it.")
+
+(defclass readiness-engine (connection-engine)
+  ((set :initform nil :accessor engine-readiness-set
+        :documentation "The READINESS-SET of the current run; NIL while the
+acceptor is stopped.")
+   (counters :initform (make-connection-counters) :reader engine-counters
+             :documentation "What the readiness sets of every run have counted."))
+  (:documentation "The :READINESS-SET connection engine: one epoll set holding
+the listening socket and every connection waiting for bytes, shared by
+every worker."))
+
+(defmethod make-connection-engine ((name (eql :readiness-set)) taskmaster)
+  (make-instance 'readiness-engine :taskmaster taskmaster))
+
+(defun engine-acceptor (engine)
+  (hunchentoot:taskmaster-acceptor (engine-taskmaster engine)))
+
+(defun stopping-p (engine)
+  (or (shutting-down-p (engine-taskmaster engine))
+      (acceptor-shutting-down-p (engine-acceptor engine))))
+
+(defun milliseconds-until (deadline)
+  (max 0 (ceiling (* 1000 (- deadline (get-internal-real-time))) internal-time-units-per-second)))
+
+;;; Waiting for something to serve.
+
+(defun next-ready-token (engine worker set)
+  "Wait on SET until WORKER has something to serve: the token reported, or
+NIL when WORKER is to end (the pool is stopping, or WORKER is surplus)."
+  (let ((taskmaster (engine-taskmaster engine)))
+    (note-waiting taskmaster worker)
+    (flet ((idle-deadline ()
+             (deadline-in (taskmaster-thread-idle-timeout taskmaster))))
+      (let ((idle-deadline (idle-deadline)))
+        (loop
+          (when (shutting-down-p taskmaster)
+            (note-stopped-waiting taskmaster worker)
+            (return nil))
+          (let ((token (epoll-wait-one (readiness-set-epoll-fd set) (milliseconds-until idle-deadline))))
+            (case token
+              (:interrupted)
+              (:timeout
+               (when (>= (get-internal-real-time) idle-deadline)
+                 (when (note-wait-timed-out taskmaster worker)
+                   (return nil))
+                 (setf idle-deadline (idle-deadline))))
+              (t
+               ;; The wakeup descriptor means stop, seen at the top of the loop.
+               (unless (= token +wakeup-token+)
+                 (note-woken taskmaster worker)
+                 (return token))))))))))
+
+;;; Accepting.
+
+(defun note-accept-failed (engine condition)
+  "accept(2) failed with CONDITION.  EMFILE and the like persist: log it and
+pause.  Quiet while stopping."
+  (unless (stopping-p engine)
+    (hunchentoot:acceptor-log-message (engine-acceptor engine) :error "accept failed: ~A" condition)
+    (sleep +accept-failure-pause-seconds+)))
+
+(defun accept-new-connection (engine set)
+  "A new CONNECTION from SET's listening socket, :ACTIVE, or NIL."
+  (let ((fd (handler-case (accept-connection-fd (readiness-set-listen-fd set))
+              (error (condition)
+                (note-accept-failed engine condition)
+                nil))))
+    ;; Another worker may accept the next connection while this one serves.
+    (rearm-listen-socket set)
+    (when fd
+      (count-accepted-connection set)
+      (let ((connection (add-connection set fd (make-connection-fd-stream
+                                                fd (hunchentoot:acceptor-read-timeout (engine-acceptor engine))))))
+        (setf (connection-head-started connection) (get-internal-real-time))
+        connection))))
+
+(defun start-connection-stream (engine connection)
+  "Read the new CONNECTION's addresses and start its stream: the TLS
+handshake on an SSL acceptor, bounded by the read timeout and cut by STOP.
+True when CONNECTION can be served; false when the client has gone, the
+handshake failed or the pool is stopping."
+  (let ((addresses (ignore-errors (connection-addresses-of (connection-fd connection)))))
+    (when (and addresses (not (stopping-p engine)))
+      (let ((stream (ignore-errors
+                     (hunchentoot:initialize-connection-stream (engine-acceptor engine)
+                                                               (connection-fd-stream connection)))))
+        (when stream
+          (setf (connection-addresses connection) addresses
+                (connection-stream connection) stream
+                (connection-socket connection) (make-connection-socket
+                                                connection (connection-fd-stream connection)))
+          t)))))
+
+;;; Serving a connection the worker holds.
+
+(defun serve-connection (engine worker set connection)
+  "Serve CONNECTION, which the calling WORKER has taken from SET, inside
+HUNCHENTOOT:PROCESS-CONNECTION.  Whatever way that ends, the connection is
+parked, closed or let go afterwards."
+  (hold-connection worker connection)
+  (unwind-protect
+       (when (or (connection-socket connection) (start-connection-stream engine connection))
+         (hunchentoot:process-connection (engine-acceptor engine) (connection-socket connection)))
+    ;; Still held: PROCESS-CONNECTION was left by an error, or an :AROUND
+    ;; method did not call the next method.
+    (when (let-go-of-connection worker)
+      (close-connection set connection))))
+
+(defun answer-buffered-request (engine worker connection buffer request-start request-line-end head-end end)
+  "Answer the request whose head is in BUFFER.  Returns :KEEP-ALIVE and the
+end of the next request's octets (moved to the start of BUFFER); :CLOSE;
+:LET-GO (a handler took the connection over); or :REFUSE and the status the
+head is refused with."
+  (multiple-value-bind (headers method uri protocol)
+      (parse-request-head buffer request-start request-line-end head-end)
+    (let ((acceptor (engine-acceptor engine))
+          (taskmaster (engine-taskmaster engine)))
+      (when (and (not (integerp headers))
+                 (assoc :transfer-encoding headers)
+                 (not (hunchentoot:acceptor-input-chunking-p acceptor)))
+        ;; This acceptor takes no chunked body: RFC 9112 6.3 says 411.
+        (setf headers 411))
+      (cond ((integerp headers) (values :refuse headers))
+            ((not (note-request-started taskmaster worker)) :close)
+            (t
+             (let* ((stream (connection-stream connection))
+                    (body-p (request-has-body-p headers)))
+               (multiple-value-bind (content-stream buffered chunked-p)
+                   (if body-p (content-stream-for headers stream buffer head-end end) stream)
+                 (when (expects-continue-p headers)
+                   (write-sequence *continue-reply* stream)
+                   (force-output stream))
+                 (let ((outcome (destructuring-bind (remote-addr remote-port local-addr local-port)
+                                    (connection-addresses connection)
+                                  (answer-request acceptor stream content-stream chunked-p
+                                                  (list :headers-in headers :method method :uri uri
+                                                        :server-protocol protocol
+                                                        :remote-addr remote-addr :remote-port remote-port
+                                                        :local-addr local-addr :local-port local-port)))))
+                   (note-request-finished taskmaster worker)
+                   (ecase outcome
+                     (:detached :let-go)
+                     (:close :close)
+                     (:keep-alive
+                      (let ((next-end (next-request-octets connection buffer body-p buffered head-end end)))
+                        (if next-end (values :keep-alive next-end) :close))))))))))))
+
+(defun answer-arrived-requests (engine worker connection)
+  "Answer every request CONNECTION has sent so far.  Returns what is to
+become of it: :PARK and the end of the partial head at the start of
+WORKER's buffer (0 for none); :CLOSE; :LET-GO; or :REFUSE and a status.
+The octets of the next request always start the buffer: NEXT-REQUEST-OCTETS
+moves them there."
+  (let* ((buffer (worker-buffer worker))
+         (max-header-bytes (acceptor-max-header-bytes (engine-acceptor engine)))
+         (end (take-pending-bytes connection buffer)))
+    (loop
+      (multiple-value-bind (status request-start request-line-end head-end)
+          (scan-request-head buffer 0 end max-header-bytes)
+        (case status
+          (:complete
+           (multiple-value-bind (outcome next)
+               (answer-buffered-request engine worker connection buffer
+                                        request-start request-line-end head-end end)
+             (unless (eq outcome :keep-alive)
+               (return (values outcome next)))
+             (setf end next
+                   (connection-head-started connection) (and (plusp end) (get-internal-real-time)))
+             (when (zerop end)
+               ;; Trying one more read before parking did not pay (bench run
+               ;; 2026-11-22T004655Z), so a kept-alive connection parks at once.
+               (return (values :park 0)))))
+          (:incomplete
+           (let ((count (receive-bytes connection buffer end (length buffer))))
+             (cond ((eq count :would-block) (return (values :park end)))
+                   ((or (eq count :error) (zerop count)) (return :close))
+                   (t (unless (connection-head-started connection)
+                        (setf (connection-head-started connection) (get-internal-real-time)))
+                      (incf end count)))))
+          (t (return (values :refuse status))))))))
+
+(defun park-or-end (engine set connection buffer end)
+  "Park CONNECTION with the END octets of BUFFER (the start of a head, or
+none) until more arrive; end it instead if its deadline has passed or the
+pool is stopping."
+  (let* ((now (get-internal-real-time))
+         (head-started (connection-head-started connection))
+         (deadline (if head-started
+                       (+ head-started (readiness-set-header-timeout set))
+                       (+ now (readiness-set-keep-alive-timeout set)))))
+    (setf (connection-timeout-status connection) (and head-started 408))
+    (cond ((stopping-p engine) (close-connection set connection))
+          ((<= deadline now) (end-parked-connection set connection))
+          (t
+           (when (plusp end)
+             (setf (connection-pending connection) (subseq buffer 0 end)))
+           (if (park-connection set connection deadline)
+               (progn
+                 ;; HUNCHENTOOT:STOP sets its flag, then closes what is parked.
+                 (memory-barrier)
+                 (when (and (stopping-p engine) (take-parked-connection set connection))
+                   (close-connection set connection)))
+               (close-connection set connection))))))
+
+(defmethod hunchentoot:process-connection ((acceptor parallel-acceptor) (socket connection-socket))
+  "Serve the requests that have arrived on the connection SOCKET stands for,
+which the calling worker holds, then park it, close it or let it go.
+Called each time a worker takes the connection up, not once for its life:
+:AROUND methods run around each such turn, in the worker's thread."
+  (let* ((worker *worker*)
+         (engine (taskmaster-engine (worker-taskmaster worker)))
+         (set (engine-readiness-set engine))
+         (connection (connection-socket-connection socket)))
+    (with-connection-bindings ()
+      (multiple-value-bind (outcome detail) (answer-arrived-requests engine worker connection)
+        (when (let-go-of-connection worker)
+          (ecase outcome
+            (:park (park-or-end engine set connection (worker-buffer worker) detail))
+            (:close (close-connection set connection))
+            (:let-go (remove-connection set connection))
+            (:refuse (refuse-connection-head set connection detail))))))))
+
+;;; The protocol.
+
+(defun head-buffer-bytes (acceptor)
+  "A worker's buffer takes the largest head allowed, with room to spare for
+pipelined requests."
+  (max 32768 (+ +max-request-line-bytes+ (acceptor-max-header-bytes acceptor) 1024)))
+
+(defmethod engine-start ((engine readiness-engine))
+  (let ((acceptor (engine-acceptor engine)))
+    (setf (engine-readiness-set engine)
+          (make-readiness-set (acceptor-listen-socket acceptor) (engine-counters engine)
+                              :header-timeout (acceptor-header-timeout acceptor)
+                              :keep-alive-timeout (acceptor-keep-alive-timeout acceptor)))))
+
+(defmethod engine-run-worker ((engine readiness-engine) worker)
+  (let* ((set (engine-readiness-set engine))
+         (hunchentoot:*acceptor* (engine-acceptor engine))
+         (*keep-alive-header-seconds* (floor (acceptor-keep-alive-timeout hunchentoot:*acceptor*))))
+    (setf (worker-buffer worker)
+          (make-array (head-buffer-bytes hunchentoot:*acceptor*) :element-type '(unsigned-byte 8)))
+    (loop for token = (next-ready-token engine worker set)
+          while token
+          do (let ((connection (if (= token +listen-token+)
+                                   (accept-new-connection engine set)
+                                   (take-ready-connection set token))))
+               (when connection
+                 (serve-connection engine worker set connection))))))
+
+(defmethod engine-wake-workers ((engine readiness-engine))
+  (wake-all-waiters (engine-readiness-set engine)))
+
+(defmethod engine-close-idle-connections ((engine readiness-engine))
+  (close-parked-connections (engine-readiness-set engine)))
+
+(defmethod engine-cut-connection ((engine readiness-engine) worker)
+  (call-with-held-connection worker (lambda (connection) (shut-down-fd (connection-fd connection)))))
+
+(defmethod engine-maintenance-interval ((engine readiness-engine))
+  +sweep-interval-seconds+)
+
+(defmethod engine-maintain ((engine readiness-engine))
+  (close-expired-connections (engine-readiness-set engine)))
+
+(defmethod engine-statistics ((engine readiness-engine))
+  (readiness-statistics (engine-readiness-set engine) (engine-counters engine)))
+
+(defmethod engine-finish ((engine readiness-engine))
+  (let ((set (shiftf (engine-readiness-set engine) nil)))
+    (close-parked-connections set)
+    (destroy-readiness-set set)))
+
+(defmethod engine-abandon ((engine readiness-engine))
+  (let ((set (shiftf (engine-readiness-set engine) nil)))
+    (when set
+      (close-every-connection set)
+      (destroy-readiness-set set))))

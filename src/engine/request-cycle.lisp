@@ -1,0 +1,86 @@
+;;;; Hunchentoot's side of a connection, in one place: the socket object that
+;;;; HUNCHENTOOT:PROCESS-CONNECTION and its :AROUND methods are given, and
+;;;; the cycle of one request -- Hunchentoot's specials, PROCESS-REQUEST,
+;;;; RESET-CONNECTION-STREAM and what it returns -- as Hunchentoot's own
+;;;; PROCESS-CONNECTION runs it.  Errors and warnings that escape a request
+;;;; are logged by Hunchentoot's PROCESS-CONNECTION :AROUND method, at
+;;;; *LISP-ERRORS-LOG-LEVEL* and *LISP-WARNINGS-LOG-LEVEL*.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+;;; The socket.
+
+(defclass connection-socket (usocket:stream-usocket)
+  ((connection
+    :initarg :connection :reader connection-socket-connection
+    :documentation "The engine's CONNECTION this socket stands for."))
+  (:documentation "The USOCKET that HUNCHENTOOT:PROCESS-CONNECTION is called
+with for a connection the engine serves, one per connection.
+USOCKET:SOCKET-STREAM is the connection's binary stream on its descriptor
+(under TLS, the encrypted one, as Hunchentoot's own socket has it); the
+peer's and local address and port answer from what was read at accept.
+Closing it (USOCKET:SOCKET-CLOSE) closes the connection."))
+
+(defun make-connection-socket (connection stream)
+  (make-instance 'connection-socket :connection connection :stream stream))
+
+(defun socket-side (socket side)
+  "The address (a vector quad, as USOCKET gives it) and port of SIDE, :PEER
+or :LOCAL, of SOCKET's connection."
+  (destructuring-bind (remote-address remote-port local-address local-port)
+      (connection-addresses (connection-socket-connection socket))
+    (ecase side
+      (:peer (values (usocket:dotted-quad-to-vector-quad remote-address) remote-port))
+      (:local (values (usocket:dotted-quad-to-vector-quad local-address) local-port)))))
+
+(defmethod usocket:get-peer-name ((socket connection-socket)) (socket-side socket :peer))
+(defmethod usocket:get-local-name ((socket connection-socket)) (socket-side socket :local))
+(defmethod usocket:get-peer-address ((socket connection-socket)) (values (socket-side socket :peer)))
+(defmethod usocket:get-local-address ((socket connection-socket)) (values (socket-side socket :local)))
+(defmethod usocket:get-peer-port ((socket connection-socket)) (nth-value 1 (socket-side socket :peer)))
+(defmethod usocket:get-local-port ((socket connection-socket)) (nth-value 1 (socket-side socket :local)))
+
+;;; One request.
+
+(defvar *keep-alive-header-seconds* nil
+  "In a worker, the whole seconds a kept-alive connection stays open; NIL
+elsewhere.")
+
+(defmethod (setf hunchentoot:header-out) :around
+    (value (name (eql :keep-alive)) &optional (reply hunchentoot:*reply*))
+  "HUNCHENTOOT:START-OUTPUT writes Keep-Alive: timeout=<read timeout> when a
+client asks to be kept alive, but a parallel acceptor closes an idle
+connection after KEEP-ALIVE-TIMEOUT: name that, or the client will send its
+next request on a connection being closed.  (START-OUTPUT overwrites any
+value a handler set, here as in Hunchentoot.)"
+  (call-next-method (if *keep-alive-header-seconds*
+                        (format nil "timeout=~D" *keep-alive-header-seconds*)
+                        value)
+                    name reply))
+
+(defun answer-request (acceptor connection-stream content-stream chunked-p request-initargs)
+  "Answer one request whose head has been read, as Hunchentoot's
+PROCESS-CONNECTION does: make the request of ACCEPTOR's request class from
+REQUEST-INITARGS and CONTENT-STREAM, process it with Hunchentoot's specials
+bound, flush the reply and reset the connection stream.  CONNECTION-STREAM
+is the connection's stream; CHUNKED-P says that CONTENT-STREAM decodes a
+chunked body, and is then also the stream the reply is written to, which is
+how Hunchentoot tells that the body is chunked.  Returns :KEEP-ALIVE,
+:CLOSE (the reply ends the connection) or :DETACHED (a handler called
+HUNCHENTOOT:DETACH-SOCKET and owns the connection now)."
+  (with-request-bindings ()
+    (setf (current-connection-stream) (if chunked-p content-stream connection-stream))
+    (let ((hunchentoot:*reply* (make-instance (hunchentoot:acceptor-reply-class acceptor)))
+          (hunchentoot:*session* nil))
+      (call-with-request-counted
+       acceptor
+       (lambda ()
+         (hunchentoot:process-request
+          (apply #'make-instance (hunchentoot:acceptor-request-class acceptor)
+                 :acceptor acceptor :content-stream content-stream request-initargs)))))
+    (finish-output (current-connection-stream))
+    (setf (current-connection-stream)
+          (hunchentoot:reset-connection-stream acceptor (current-connection-stream)))
+    (cond ((not (close-connection-stream-p)) :detached)
+          ((finish-processing-connection-p) :close)
+          (t :keep-alive))))

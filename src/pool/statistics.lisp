@@ -1,0 +1,48 @@
+;;;; Observing a running pool.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defmethod hunchentoot:taskmaster-thread-count ((taskmaster recycling-taskmaster))
+  (pool-thread-count taskmaster))
+
+(defgeneric taskmaster-statistics (taskmaster)
+  (:documentation "A fresh plist describing TASKMASTER's pool (TASKMASTER may
+also be a PARALLEL-ACCEPTOR, meaning its taskmaster) now, cheap enough to
+poll.  The pool's keys: :THREADS (workers in the pool), :BUSY-THREADS
+(workers not waiting for work), :ACCEPTING-THREADS (workers waiting for
+work), :IN-REQUEST-THREADS (workers between a complete request head and its
+reply), and the totals since the taskmaster was made :REQUESTS-SERVED,
+:THREADS-CREATED, :THREADS-RETIRED, :PEAK-THREADS.  Then the engine's keys,
+once the taskmaster has been started; the readiness engine's are
+:PARKED-CONNECTIONS (connections waiting for bytes without a thread),
+:OPEN-CONNECTIONS (parked or being served), and the totals
+:CONNECTIONS-ACCEPTED, :KEEP-ALIVE-TIMEOUTS (kept-alive connections closed
+after KEEP-ALIVE-TIMEOUT idle seconds), and one count per refused request
+head: :BAD-REQUEST-REPLIES (400, malformed or ambiguous framing),
+:HEADER-TIMEOUT-REPLIES (408), :LENGTH-REQUIRED-REPLIES (411, a chunked
+body to an acceptor without input chunking), :URI-TOO-LONG-REPLIES (414),
+:HEADER-TOO-LARGE-REPLIES (431) and :VERSION-NOT-SUPPORTED-REPLIES (505).
+The order of keys is unspecified.  The pool's counts are taken under its
+lock in one go; the engine's counts and :REQUESTS-SERVED may lag by the
+work finishing while they are read."))
+
+(defmethod taskmaster-statistics ((taskmaster recycling-taskmaster))
+  (let ((engine (taskmaster-engine taskmaster)))
+    (append
+     (with-pool-lock (taskmaster)
+       (let ((waiting (waiting-worker-count taskmaster)))
+         (list :threads (pool-thread-count taskmaster)
+               :busy-threads (max 0 (- (pool-thread-count taskmaster) waiting))
+               :accepting-threads waiting
+               :in-request-threads (in-request-count taskmaster)
+               :requests-served (+ (retired-requests-served taskmaster)
+                                   (reduce #'+ (pool-workers taskmaster) :key #'worker-requests-served))
+               :threads-created (threads-created taskmaster)
+               :threads-retired (threads-retired taskmaster)
+               :peak-threads (peak-thread-count taskmaster))))
+     (and engine (engine-statistics engine)))))
+
+(defmethod taskmaster-statistics ((acceptor parallel-acceptor))
+  "The statistics of ACCEPTOR's taskmaster, for code that holds the acceptor
+(Hunchentoot does not export the taskmaster reader)."
+  (taskmaster-statistics (acceptor-taskmaster acceptor)))

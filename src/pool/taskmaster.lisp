@@ -1,0 +1,218 @@
+;;;; RECYCLING-TASKMASTER: a pool of worker threads that serve whatever the
+;;;; acceptor's connection engine has ready, grown by one thread-making
+;;;; thread and shrunk by idle workers retiring themselves.  The pool knows
+;;;; its workers and counts them; what a worker does between two looks at
+;;;; the pool is the engine's (engine/protocol.lisp), and the pool never
+;;;; asks which engine it has.
+;;;;
+;;;; Locking discipline.
+;;;; - POOL-LOCK guards the worker list and the pool's counts.  Each change
+;;;;   of pool state is one small NOTE-... function (pool/worker.lisp) that
+;;;;   takes the lock once, with interrupts deferred so that
+;;;;   BT:DESTROY-THREAD (ABANDON-ACCEPTOR only) never leaves half a change.
+;;;;   The lock is never held across I/O, thread creation or joining.
+;;;; - ENGINE and SOFT-STOP-P are written only while no worker runs (START
+;;;;   before the first worker is made, STOP before it wakes them), so they
+;;;;   are read without the lock.
+;;;; - The count of waiting workers changes twice per request: it is an
+;;;;   atomic word in GAUGES, not locked.
+;;;; - A worker's STATE is written by its own thread only.  Before each
+;;;;   request it writes its state, then, after a memory barrier, reads
+;;;;   SHUTTING-DOWN-P; STOP writes SHUTTING-DOWN-P under the lock and reads
+;;;;   states after taking it.  So either the worker sees the stop, or the
+;;;;   stop sees the worker in its request.
+;;;; - No thread is ever interrupted.  STOP wakes a worker that waits on a
+;;;;   client by shutting that client's socket down (ENGINE-CUT-CONNECTION),
+;;;;   under the worker's CONNECTION-LOCK, which the worker also takes to
+;;;;   let go of the connection before its descriptor is closed: a shutdown
+;;;;   never reaches a descriptor that was closed and perhaps reused.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defvar *default-standby-thread-count* 8
+  "The STANDBY-THREAD-COUNT of a RECYCLING-TASKMASTER made without one: how
+many workers wait for connections when there is no load.")
+
+(defgeneric taskmaster-standby-thread-count (taskmaster)
+  (:documentation "How many workers TASKMASTER keeps waiting for connections
+when there is no load."))
+
+(defgeneric taskmaster-thread-idle-timeout (taskmaster)
+  (:documentation "Seconds a worker of TASKMASTER waits for something to
+serve before it looks at the pool; a surplus worker that waited this long
+retires."))
+
+(defgeneric taskmaster-stop-timeout (taskmaster)
+  (:documentation "Seconds HUNCHENTOOT:STOP may take for TASKMASTER's
+workers to finish and end, waits for requests in flight included, before it
+signals RECYCLING-TASKMASTER-CORRUPTED-ERROR."))
+
+(defstruct (pool-gauges (:constructor make-pool-gauges ()))
+  "The pool's counts that change on every request, kept as atomic words."
+  ;; Workers in (or entering) the engine's wait for something to serve.
+  (waiting 0 :type word))
+
+(defclass recycling-taskmaster (hunchentoot:multi-threaded-taskmaster)
+  ((standby-thread-count
+    :initarg :standby-thread-count
+    :reader taskmaster-standby-thread-count
+    :documentation "How many workers wait for connections when there is no
+load: made by HUNCHENTOOT:START and kept when idle workers retire.")
+   (max-thread-count
+    :initarg :max-thread-count
+    :reader hunchentoot:taskmaster-max-thread-count
+    :documentation "The most workers the pool may hold, or NIL for no limit.
+When every one of them is busy, connections wait, costing no thread, until
+a worker is free.")
+   (max-accept-count
+    :initarg :max-accept-count
+    :reader hunchentoot:taskmaster-max-accept-count
+    :documentation "Taken for compatibility with Hunchentoot's taskmaster, whose
+initargs a user may pass unchanged; it bounds nothing here, since a waiting
+connection holds no thread.")
+   (thread-idle-timeout
+    :initarg :thread-idle-timeout
+    :reader taskmaster-thread-idle-timeout
+    :documentation "Seconds a worker waits for something to serve before it
+looks at the pool; a surplus worker that waited this long retires.")
+   (stop-timeout
+    :initarg :stop-timeout
+    :reader taskmaster-stop-timeout
+    :documentation "Seconds HUNCHENTOOT:STOP may take for the workers to
+finish and end, before it calls the pool corrupted.")
+   (engine
+    :initform nil :accessor taskmaster-engine
+    :documentation "The CONNECTION-ENGINE the workers serve, made by the first
+HUNCHENTOOT:START and kept, with what it counted, from run to run.")
+   (pool-lock :initform (bt:make-lock "recycling-taskmaster-pool") :reader pool-lock)
+   (pool-changed
+    :initform (bt:make-condition-variable) :reader pool-changed
+    :documentation "Notified when a worker begins to wait for the first time,
+finishes a request while the pool stops, or ends.")
+   (maker-wakeup
+    :initform (bt:make-condition-variable) :reader maker-wakeup
+    :documentation "Notified when the thread-making thread has work: a thread
+to make, or shutdown.")
+   (workers :initform '() :accessor pool-workers
+            :documentation "Every live worker thread's record, retiring ones included.")
+   (thread-maker :initform nil :accessor thread-maker
+                 :documentation "The one thread that makes worker threads and runs the
+engine's periodic maintenance.")
+   (thread-count :initform 0 :accessor pool-thread-count
+                 :documentation "Workers in the pool, not counting those retiring.")
+   (pending-thread-count :initform 0 :accessor pending-thread-count
+                         :documentation "Workers asked of the thread-making thread, not yet made.")
+   (gauges :initform (make-pool-gauges) :reader pool-gauges)
+   (shutting-down-p :initform nil :accessor shutting-down-p
+                    :documentation "True from the moment HUNCHENTOOT:STOP begins until the next START.")
+   (soft-stop-p :initform nil :accessor soft-stop-p
+                :documentation "True when the current HUNCHENTOOT:STOP is soft.")
+   (threads-created :initform 0 :accessor threads-created
+                    :documentation "Worker threads made, ever.")
+   (threads-retired :initform 0 :accessor threads-retired
+                    :documentation "Worker threads that ended because they were surplus, ever.")
+   (peak-thread-count :initform 0 :accessor peak-thread-count
+                      :documentation "The most workers the pool has held at once.")
+   (retired-requests-served :initform 0 :accessor retired-requests-served
+                            :documentation "Requests served by workers that have ended."))
+  (:default-initargs
+   :standby-thread-count *default-standby-thread-count*
+   :max-thread-count (default-max-thread-count)
+   :max-accept-count (default-max-accept-count)
+   :thread-idle-timeout 1
+   :stop-timeout 10)
+  (:documentation "A taskmaster whose pooled worker threads all wait on the
+acceptor's connection engine (by default one epoll set holding the listening
+socket and every connection waiting for bytes) and serve whatever is ready:
+no listener thread hands sockets over, and a connection holds a thread only
+while a worker reads what has arrived or a handler runs.  The pool starts
+with STANDBY-THREAD-COUNT workers; when the last waiting worker is woken,
+the one thread-making thread adds one, up to MAX-THREAD-COUNT; surplus
+workers retire after THREAD-IDLE-TIMEOUT seconds without work.  Needs a
+PARALLEL-ACCEPTOR."))
+
+(defun check-count (initarg value &key (minimum 0) (null-allowed nil))
+  (unless (or (and null-allowed (null value))
+              (and (integerp value) (<= minimum value)))
+    (error 'invalid-taskmaster-configuration
+           :initarg initarg :value value
+           :reason (format nil "must be an integer of at least ~D~:[~; or NIL~]"
+                           minimum null-allowed))))
+
+(defmethod initialize-instance :after ((taskmaster recycling-taskmaster) &key)
+  (let ((standby (taskmaster-standby-thread-count taskmaster))
+        (max-threads (hunchentoot:taskmaster-max-thread-count taskmaster)))
+    ;; One standby worker at least: growth starts when a waiting worker is
+    ;; woken, so a pool of none would never start.
+    (check-count :standby-thread-count standby :minimum 1)
+    (check-count :max-thread-count max-threads :minimum 1 :null-allowed t)
+    (check-count :max-accept-count (hunchentoot:taskmaster-max-accept-count taskmaster)
+                 :minimum 1 :null-allowed t)
+    (loop for (initarg seconds) in `((:thread-idle-timeout ,(taskmaster-thread-idle-timeout taskmaster))
+                                     (:stop-timeout ,(taskmaster-stop-timeout taskmaster)))
+          unless (and (realp seconds) (plusp seconds))
+            do (error 'invalid-taskmaster-configuration
+                      :initarg initarg :value seconds
+                      :reason "must be a positive number of seconds"))
+    (when (and max-threads (< max-threads standby))
+      (error 'invalid-taskmaster-configuration
+             :initarg :standby-thread-count :value standby
+             :reason (format nil "is above :MAX-THREAD-COUNT ~D" max-threads)))))
+
+(defun recycling-taskmaster-of (acceptor)
+  "ACCEPTOR's taskmaster when it is a RECYCLING-TASKMASTER, else NIL."
+  (let ((taskmaster (acceptor-taskmaster acceptor)))
+    (and (typep taskmaster 'recycling-taskmaster) taskmaster)))
+
+(defmacro with-pool-lock ((taskmaster) &body body)
+  "Run BODY holding POOL-LOCK.  For BODYs that wait on a condition variable."
+  `(bt:with-lock-held ((pool-lock ,taskmaster)) ,@body))
+
+(defmacro with-pool-state-change ((taskmaster) &body body)
+  "Run BODY holding POOL-LOCK with interrupts deferred.  BODY must not wait."
+  `(without-interrupts (with-pool-lock (,taskmaster) ,@body)))
+
+(defun notify-pool-changed (taskmaster)
+  (condition-broadcast (pool-changed taskmaster)))
+
+(defun notify-thread-maker (taskmaster)
+  (bt:condition-notify (maker-wakeup taskmaster)))
+
+(defun taskmaster-acceptor-name (taskmaster)
+  "ADDRESS:PORT of TASKMASTER's acceptor, for thread names."
+  (let ((acceptor (hunchentoot:taskmaster-acceptor taskmaster)))
+    (format nil "~A:~A" (or (hunchentoot:acceptor-address acceptor) "*")
+            (hunchentoot:acceptor-port acceptor))))
+
+(defun seconds->internal-units (seconds)
+  (round (* seconds internal-time-units-per-second)))
+
+(defun deadline-in (seconds)
+  "The internal real time SECONDS from now."
+  (+ (get-internal-real-time) (seconds->internal-units seconds)))
+
+(defun seconds-until (deadline)
+  "Seconds from now until DEADLINE (internal real time), never negative."
+  (max 0 (/ (- deadline (get-internal-real-time)) internal-time-units-per-second)))
+
+(defun wait-for-pool (taskmaster predicate deadline)
+  "Wait on POOL-CHANGED, holding POOL-LOCK, until PREDICATE is true or
+DEADLINE (internal real time) passes.  True when PREDICATE is."
+  (with-pool-lock (taskmaster)
+    (loop until (funcall predicate)
+          do (when (>= (get-internal-real-time) deadline)
+               (return nil))
+             (bt:condition-wait (pool-changed taskmaster) (pool-lock taskmaster)
+                                :timeout (seconds-until deadline))
+          finally (return t))))
+
+(defun pool-may-grow-p (taskmaster)
+  "True when one more worker may be asked for.  POOL-LOCK held."
+  (let ((max-threads (hunchentoot:taskmaster-max-thread-count taskmaster)))
+    (and (not (shutting-down-p taskmaster))
+         (or (null max-threads)
+             (< (+ (pool-thread-count taskmaster) (pending-thread-count taskmaster))
+                max-threads)))))
+
+(defun waiting-worker-count (taskmaster)
+  (pool-gauges-waiting (pool-gauges taskmaster)))

@@ -1,0 +1,76 @@
+;;;; The threads: a worker's thread body, and the one thread-making thread,
+;;;; which makes every worker (one at a time, so that a burst of wake-ups
+;;;; asks for threads without stampeding) and runs the engine's periodic
+;;;; maintenance.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defun run-worker (taskmaster worker)
+  "The body of WORKER's thread: serve through the engine until told to end."
+  (setf (worker-thread worker) (bt:current-thread))
+  (let ((*worker* worker))
+    (unwind-protect
+         (engine-run-worker (taskmaster-engine taskmaster) worker)
+      (note-worker-exited taskmaster worker))))
+
+(defun worker-thread-name (taskmaster)
+  (format nil "hunchentoot-recycling-worker ~A" (taskmaster-acceptor-name taskmaster)))
+
+(defun note-worker-made (taskmaster worker)
+  (with-pool-state-change (taskmaster)
+    (decf (pending-thread-count taskmaster))
+    (push worker (pool-workers taskmaster))
+    (incf (pool-thread-count taskmaster))
+    (incf (threads-created taskmaster))
+    (setf (peak-thread-count taskmaster)
+          (max (peak-thread-count taskmaster) (pool-thread-count taskmaster)))))
+
+(defun note-worker-not-made (taskmaster worker)
+  (with-pool-state-change (taskmaster)
+    (setf (pool-workers taskmaster) (delete worker (pool-workers taskmaster)))
+    (decf (pool-thread-count taskmaster))
+    (notify-pool-changed taskmaster)))
+
+(defun make-worker-thread (taskmaster)
+  "Make one worker, counted in the pool before its thread runs.  When the
+system refuses a thread, log it and pause, so as not to spin on it."
+  (let ((worker (make-worker taskmaster)))
+    (note-worker-made taskmaster worker)
+    (handler-case
+        (setf (worker-thread worker)
+              (hunchentoot:start-thread taskmaster
+                                        (lambda () (run-worker taskmaster worker))
+                                        :name (worker-thread-name taskmaster)))
+      (error (condition)
+        (note-worker-not-made taskmaster worker)
+        (hunchentoot:acceptor-log-message (hunchentoot:taskmaster-acceptor taskmaster)
+                                          :error "could not make a worker thread: ~A" condition)
+        (sleep 0.1)))))
+
+(defun next-maker-task (taskmaster maintenance-deadline)
+  "Wait for the thread-making thread's next task: :EXIT, :MAKE-THREAD, or
+:MAINTAIN once MAINTENANCE-DEADLINE (internal real time) has passed."
+  (with-pool-lock (taskmaster)
+    (loop
+      (cond ((shutting-down-p taskmaster) (return :exit))
+            ((plusp (pending-thread-count taskmaster)) (return :make-thread))
+            ((>= (get-internal-real-time) maintenance-deadline) (return :maintain))
+            (t (bt:condition-wait (maker-wakeup taskmaster) (pool-lock taskmaster)
+                                  :timeout (seconds-until maintenance-deadline)))))))
+
+(defun run-thread-maker (taskmaster)
+  (let* ((engine (taskmaster-engine taskmaster))
+         (interval (engine-maintenance-interval engine))
+         (maintenance-deadline (deadline-in interval)))
+    (loop
+      (ecase (next-maker-task taskmaster maintenance-deadline)
+        (:exit (return))
+        (:make-thread (make-worker-thread taskmaster))
+        (:maintain (engine-maintain engine)
+                   (setf maintenance-deadline (deadline-in interval)))))))
+
+(defun start-thread-maker (taskmaster)
+  (setf (thread-maker taskmaster)
+        (hunchentoot:start-thread taskmaster (lambda () (run-thread-maker taskmaster))
+                                  :name (format nil "hunchentoot-recycling-thread-maker ~A"
+                                                (taskmaster-acceptor-name taskmaster)))))

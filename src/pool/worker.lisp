@@ -1,0 +1,146 @@
+;;;; A worker: one pooled thread's record, and every change of pool state a
+;;;; worker makes, each one small function (see the locking discipline in
+;;;; pool/taskmaster.lisp).
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defstruct (worker (:constructor make-worker (taskmaster)))
+  "One pooled thread.  STATE is :STARTING (made, not yet waiting), :WAITING
+(in the engine's wait for something to serve), :SERVING (holding a
+connection outside any request: accepting it, its TLS handshake, reading
+heads, parking it), :IN-REQUEST (from a complete head to the reply sent), or
+:EXITING (counted out of the pool)."
+  (taskmaster nil :read-only t)
+  (thread nil)
+  (state :starting :type keyword)
+  ;; The engine's connection this worker holds, or NIL; see CONNECTION-LOCK.
+  (connection nil)
+  ;; Taken to let go of CONNECTION, and by STOP to shut it down.
+  (connection-lock (bt:make-lock "worker-connection") :read-only t)
+  ;; The engine's per-worker scratch space (the readiness engine reads
+  ;; request heads into it).
+  (buffer nil)
+  (requests-served 0 :type fixnum))
+
+(defmethod print-object ((worker worker) stream)
+  ;; The default would print the buffer, 32 KiB of other clients' octets.
+  (print-unreadable-object (worker stream :type t :identity t)
+    (format stream "~S, ~D requests" (worker-state worker) (worker-requests-served worker))))
+
+(defvar *worker* nil
+  "The WORKER record of the current thread; NIL outside worker threads.")
+
+;;; The connection a worker holds.
+
+(defun hold-connection (worker connection)
+  "WORKER now serves CONNECTION, which no other thread touches until WORKER
+lets go of it."
+  (setf (worker-connection worker) connection))
+
+(defun let-go-of-connection (worker)
+  "WORKER stops holding its connection, before it parks, closes or hands it
+over.  The connection it held, or NIL when it held none."
+  (bt:with-lock-held ((worker-connection-lock worker))
+    (shiftf (worker-connection worker) nil)))
+
+(defun call-with-held-connection (worker function)
+  "Call FUNCTION on the connection WORKER holds, if any, while WORKER cannot
+let go of it: from another thread, the descriptor stays WORKER's open one."
+  (bt:with-lock-held ((worker-connection-lock worker))
+    (let ((connection (worker-connection worker)))
+      (when connection
+        (funcall function connection)))))
+
+;;; Waiting for something to serve.
+
+(defun note-waiting (taskmaster worker)
+  "WORKER is about to wait for something to serve.  Its first wait tells
+START that it has begun."
+  (let ((first-wait-p (eq (worker-state worker) :starting)))
+    (without-interrupts
+      (setf (worker-state worker) :waiting)
+      (atomic-increment (pool-gauges-waiting (pool-gauges taskmaster))))
+    (when first-wait-p
+      (with-pool-lock (taskmaster)
+        (notify-pool-changed taskmaster)))))
+
+(defun note-woken (taskmaster worker)
+  "WORKER left its wait with something to serve.  If it was the last one
+waiting, ask the thread-making thread for another worker."
+  (when (= 1 (without-interrupts
+               (setf (worker-state worker) :serving)
+               (atomic-decrement (pool-gauges-waiting (pool-gauges taskmaster)))))
+    (with-pool-state-change (taskmaster)
+      (when (and (zerop (waiting-worker-count taskmaster))
+                 (zerop (pending-thread-count taskmaster))
+                 (pool-may-grow-p taskmaster))
+        (incf (pending-thread-count taskmaster))
+        (notify-thread-maker taskmaster)))))
+
+(defun note-stopped-waiting (taskmaster worker)
+  "WORKER left its wait because the pool stops."
+  (without-interrupts
+    (setf (worker-state worker) :serving)
+    (atomic-decrement (pool-gauges-waiting (pool-gauges taskmaster)))))
+
+(defun note-wait-timed-out (taskmaster worker)
+  "WORKER waited THREAD-IDLE-TIMEOUT seconds for nothing.  True when it is
+surplus and retires now: the pool is above standby and another worker still
+waits (the last waiting worker never retires, since growth starts only when
+a waiting worker is woken)."
+  (with-pool-state-change (taskmaster)
+    (when (and (not (shutting-down-p taskmaster))
+               (> (pool-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster))
+               (> (waiting-worker-count taskmaster) 1))
+      (atomic-decrement (pool-gauges-waiting (pool-gauges taskmaster)))
+      (setf (worker-state worker) :exiting)
+      (decf (pool-thread-count taskmaster))
+      (incf (threads-retired taskmaster))
+      t)))
+
+;;; Requests.
+
+(defun note-request-started (taskmaster worker)
+  "WORKER has a complete request head.  False when the pool is stopping and
+the request is not to be started (STOP sets its flag before it looks for
+requests in flight)."
+  (setf (worker-state worker) :in-request)
+  (memory-barrier)
+  (if (shutting-down-p taskmaster)
+      (progn (setf (worker-state worker) :serving) nil)
+      t))
+
+(defun note-request-finished (taskmaster worker)
+  (incf (worker-requests-served worker))
+  (setf (worker-state worker) :serving)
+  (memory-barrier)
+  (when (shutting-down-p taskmaster)
+    ;; A soft STOP waits for the requests in flight.
+    (with-pool-lock (taskmaster)
+      (notify-pool-changed taskmaster))))
+
+(defun in-request-count (taskmaster)
+  "Workers inside a request, from its head read to its reply sent.  POOL-LOCK held."
+  (count :in-request (pool-workers taskmaster) :key #'worker-state))
+
+;;; Ending.
+
+(defun note-worker-exited (taskmaster worker)
+  "WORKER's thread is ending, normally or not.  Undo whatever its state still
+counts, and ask for a replacement if the pool fell below standby."
+  (with-pool-state-change (taskmaster)
+    (case (worker-state worker)
+      (:exiting)
+      (:waiting
+       (atomic-decrement (pool-gauges-waiting (pool-gauges taskmaster)))
+       (decf (pool-thread-count taskmaster)))
+      (t (decf (pool-thread-count taskmaster))))
+    (setf (worker-state worker) :exiting)
+    (incf (retired-requests-served taskmaster) (worker-requests-served worker))
+    (setf (pool-workers taskmaster) (delete worker (pool-workers taskmaster)))
+    (when (and (not (shutting-down-p taskmaster))
+               (< (+ (pool-thread-count taskmaster) (pending-thread-count taskmaster))
+                  (taskmaster-standby-thread-count taskmaster)))
+      (incf (pending-thread-count taskmaster)))
+    (notify-thread-maker taskmaster)
+    (notify-pool-changed taskmaster)))

@@ -1,0 +1,42 @@
+;;;; Every use of SBCL's thread internals (sb-thread, sb-sys, sb-ext atomics)
+;;;; lives in this file, so that the next SBCL breaks in one place.
+;;;; bordeaux-threads 0.8.8 has no broadcast, no timed join and no atomics.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(deftype word () 'sb-ext:word)
+
+(defmacro without-interrupts (&body body)
+  "Run BODY with interrupts deferred, so that BT:DESTROY-THREAD (which only
+ABANDON-ACCEPTOR uses) cannot leave a pool state change half done."
+  `(sb-sys:without-interrupts ,@body))
+
+(defun condition-broadcast (condition-variable)
+  "Wake every thread waiting on CONDITION-VARIABLE."
+  (sb-thread:condition-broadcast condition-variable))
+
+(defun join-thread-within (thread seconds)
+  "Join THREAD, giving up after SECONDS (at least a moment).  True when it ended."
+  (multiple-value-bind (result problem)
+      (sb-thread:join-thread thread :default nil :timeout (max seconds 0.001))
+    (declare (ignore result))
+    (not (eq problem :timeout))))
+
+(defmacro memory-barrier ()
+  "Order this thread's earlier writes before its later reads, which x86-64
+does not do by itself."
+  `(sb-thread:barrier (:memory)))
+
+(defmacro atomic-increment (place)
+  "Add one to PLACE, a structure slot of type WORD; returns the old value."
+  `(sb-ext:atomic-incf ,place))
+
+(defmacro atomic-decrement (place)
+  "Subtract one from PLACE, a structure slot of type WORD; returns the old value."
+  `(sb-ext:atomic-decf ,place))
+
+(defmacro compare-and-swap (place old new)
+  "Set PLACE, a structure slot of type T, to NEW if it is EQ to OLD.  True when it was."
+  (let ((old-value (gensym "OLD")))
+    `(let ((,old-value ,old))
+       (eq ,old-value (sb-ext:compare-and-swap ,place ,old-value ,new)))))

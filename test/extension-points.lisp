@@ -1,0 +1,141 @@
+;;;; Hunchentoot's connection-level extension points, the way hunchensocket
+;;;; and Clack use them, with identical expectations on Hunchentoot's
+;;;; EASY-ACCEPTOR and ours: a PROCESS-CONNECTION :AROUND method binding the
+;;;; socket for the handler, a handler that upgrades the connection and
+;;;; then speaks its own protocol on the socket's stream, DETACH-SOCKET,
+;;;; and a handler's warnings in the message log.
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite extension-points :in all
+  :description "PROCESS-CONNECTION :AROUND, connection upgrades, DETACH-SOCKET, warnings.")
+(in-suite extension-points)
+
+(defvar *mixin-socket* nil
+  "The socket PROCESS-CONNECTION was called with, bound by SOCKET-BINDING-MIXIN
+as hunchensocket binds *WEBSOCKET-SOCKET* and Clack *CLIENT-SOCKET*.")
+
+(defclass socket-binding-mixin () ()
+  (:documentation "Binds *MIXIN-SOCKET* around HUNCHENTOOT:PROCESS-CONNECTION."))
+
+(defmethod ht:process-connection :around ((acceptor socket-binding-mixin) socket)
+  (let ((*mixin-socket* socket))
+    (call-next-method)))
+
+(defclass echo-request (ht:request) ()
+  (:documentation "A request whose PROCESS-REQUEST :AFTER method takes the
+connection over when the handler answered 101, as hunchensocket's does."))
+
+(defun read-octet-line (stream)
+  "The octets of STREAM up to the next LF, as a string; NIL at end of file."
+  (let ((octets (loop for octet = (read-byte stream nil)
+                      while (and octet (/= octet 10))
+                      collect octet
+                      finally (unless octet (return-from read-octet-line nil)))))
+    (map 'string #'code-char octets)))
+
+(defun write-octet-line (stream text)
+  (write-sequence (map '(vector (unsigned-byte 8)) #'char-code (format nil "~A~C" text #\Linefeed)) stream)
+  (finish-output stream))
+
+(defmethod ht:process-request :after ((request echo-request))
+  "After a 101, echo each line the client sends on the socket's stream until
+it says bye."
+  (when (= 101 (ht:return-code*))
+    (let ((stream (usocket:socket-stream *mixin-socket*)))
+      (finish-output stream)
+      (loop for line = (read-octet-line stream)
+            until (or (null line) (string= line "bye"))
+            do (write-octet-line stream (format nil "echo ~A" line))))))
+
+(defclass mixin-easy-acceptor (socket-binding-mixin ht:easy-acceptor) ()
+  (:default-initargs :request-class 'echo-request))
+
+(defclass mixin-parallel-acceptor (socket-binding-mixin parallel-easy-acceptor) ()
+  (:default-initargs :request-class 'echo-request))
+
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defparameter *mixin-acceptor-classes* '(mixin-easy-acceptor mixin-parallel-acceptor)))
+
+(ht:define-easy-handler (test-mixin-socket :uri "/test/mixin/socket") ()
+  (setf (ht:content-type*) "text/plain")
+  (format nil "~:[unbound~;bound~] ~:[no-stream~;stream~] ~:[other-port~;same-port~]"
+          *mixin-socket*
+          (and *mixin-socket* (streamp (usocket:socket-stream *mixin-socket*)))
+          (and *mixin-socket* (eql (usocket:get-peer-port *mixin-socket*) (ht:remote-port*)))))
+
+(ht:define-easy-handler (test-mixin-upgrade :uri "/test/mixin/upgrade") ()
+  (setf (ht:return-code*) 101
+        (ht:header-out :upgrade) "echo"
+        (ht:header-out :connection) "Upgrade")
+  "")
+
+(ht:define-easy-handler (test-mixin-detach :uri "/test/mixin/detach") ()
+  (setf (ht:content-type*) "text/plain")
+  (let ((stream (usocket:socket-stream *mixin-socket*)))
+    (ht:detach-socket ht:*acceptor*)
+    (bt:make-thread (lambda ()
+                      ;; After the reply below has gone out.
+                      (sleep 0.3)
+                      (write-octet-line stream "late")
+                      (close stream))
+                    :name "detached connection writer"))
+  "detached")
+
+(define-http-test mixin.around-method-binds-the-socket-for-the-handler (:classes *mixin-acceptor-classes*)
+  (is (equal '(200 "bound stream same-port")
+             (multiple-value-list (http-get *server* "/test/mixin/socket"))))
+  (is (equal "bound stream same-port" (nth-value 1 (http-get *server* "/test/mixin/socket")))
+      "and again on the next connection"))
+
+(defun read-head (stream)
+  "The head of a response read from STREAM up to its blank line, as a string."
+  (let ((octets '()))
+    (loop until (and (>= (length octets) 4) (equal (subseq octets 0 4) '(10 13 10 13)))
+          do (push (read-byte stream) octets))
+    (map 'string #'code-char (reverse octets))))
+
+(define-http-test mixin.upgraded-connection-speaks-its-own-protocol (:classes *mixin-acceptor-classes*)
+  (let ((socket (connect *server*)))
+    (unwind-protect
+         (let ((stream (usocket:socket-stream socket)))
+           (send-text socket (crlf-lines "GET /test/mixin/upgrade HTTP/1.1" "Host: localhost"
+                                         "Connection: Upgrade" "Upgrade: echo" ""))
+           (is (eql 0 (search "HTTP/1.1 101" (read-head stream))))
+           ;; Three seconds of messages, while other clients are served.
+           (dotimes (i 6)
+             (write-octet-line stream (format nil "message ~D" i))
+             (is (equal (format nil "echo message ~D" i) (read-octet-line stream)))
+             (is (eql 200 (http-get *server* "/test/yo")) "another client is served meanwhile")
+             (sleep 0.5))
+           (write-octet-line stream "bye")
+           (is (null (read-byte stream nil)) "the connection ends after bye"))
+      (usocket:socket-close socket))))
+
+(define-http-test mixin.detached-socket-is-the-handlers (:classes *mixin-acceptor-classes*)
+  (let ((socket (connect *server*)))
+    (unwind-protect
+         (progn
+           (send-text socket (crlf-lines "GET /test/mixin/detach HTTP/1.1" "Host: localhost" ""))
+           (multiple-value-bind (status body) (read-response socket)
+             (is (eql 200 status))
+             (is (equal "detached" body)))
+           (let ((stream (usocket:socket-stream socket)))
+             (is (equal "late" (read-octet-line stream)) "the handler's thread writes on")
+             (is (null (read-byte stream nil)) "and closes the connection itself")))
+      (usocket:socket-close socket))
+    (is (eql 200 (http-get *server* "/test/yo")))))
+
+(ht:define-easy-handler (test-warn :uri "/test/warn") ()
+  (warn "A warning from a handler, on purpose.")
+  "warned")
+
+(test warnings.reach-the-message-log
+  (dolist (class '(ht:easy-acceptor parallel-easy-acceptor))
+    (with-thread-leak-check ()
+      (let ((log (make-string-output-stream)))
+        (with-server (server (make-server class :message-log-destination log))
+          (let ((*error-output* (make-broadcast-stream)))
+            (is (eql 200 (http-get server "/test/warn")) "~S answers" class)))
+        (is (search "A warning from a handler, on purpose." (get-output-stream-string log))
+            "~S logs the handler's warning" class)))))

@@ -1,0 +1,100 @@
+;;;; STOP with everything under way at once: TLS handshakes that never
+;;;; finish, TLS and plain requests whose handlers sleep, kept-alive and
+;;;; half-sent connections parked.  Every STOP must return within
+;;;; :STOP-TIMEOUT, leave no thread and free the port.
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite stop :in all :description "STOP under load, soft and hard, plain and TLS.")
+(in-suite stop)
+
+(defparameter *stop-rounds* 50
+  "Rounds of the stress test; each stops a plain and an SSL acceptor.")
+
+(defparameter *half-client-hello*
+  (coerce #(22 3 1 0 200 1 0 0 196 3 3) '(vector (unsigned-byte 8)))
+  "A TLS record header announcing a 200-octet ClientHello, and its first
+octets: the server's handshake waits for the rest.")
+
+(defun port-free-p (port)
+  "True when nothing listens on 127.0.0.1:PORT."
+  (handler-case (progn (usocket:socket-close (usocket:socket-listen "127.0.0.1" port :reuse-address t))
+                       t)
+    (error () nil)))
+
+(defun stress-server (ssl-p)
+  (let ((taskmaster (make-instance 'recycling-taskmaster :standby-thread-count 4 :stop-timeout 5)))
+    (if ssl-p
+        (multiple-value-bind (certificate key) (certificate-files)
+          (make-server 'parallel-easy-ssl-acceptor :taskmaster taskmaster
+                                                   :ssl-certificate-file certificate
+                                                   :ssl-privatekey-file key))
+        (make-server 'parallel-easy-acceptor :taskmaster taskmaster))))
+
+(defun park-kept-alive (server ssl-p)
+  "A connection to SERVER that has had one request answered and is parked;
+returns what to close."
+  (if ssl-p
+      (multiple-value-bind (stream socket) (tls-connect server)
+        (write-sequence (flex:string-to-octets (get-request "/test/yo")) stream)
+        (finish-output stream)
+        (read-stream-response stream)
+        socket)
+      (let ((socket (connect server)))
+        (send-text socket (get-request "/test/yo"))
+        (read-response socket)
+        socket)))
+
+(defun load-for-stop (server ssl-p)
+  "Put SERVER under every kind of work STOP must end; returns the sockets to
+close and the client threads to join."
+  (let ((sockets '())
+        (clients '()))
+    (dotimes (i 2)
+      (push (park-kept-alive server ssl-p) sockets))
+    (unless ssl-p
+      (let ((socket (connect server)))
+        (send-text socket (concatenate 'string (crlf-lines "GET /test/yo HTTP/1.1") "Host: lo"))
+        (push socket sockets)))
+    (when ssl-p
+      (dotimes (i 2)
+        (push (connect server) sockets))
+      (dotimes (i 2)
+        (let ((socket (connect server)))
+          (write-sequence *half-client-hello* (usocket:socket-stream socket))
+          (finish-output (usocket:socket-stream socket))
+          (push socket sockets))))
+    (dotimes (i 3)
+      (push (in-thread (lambda () (http-get server "/test/sleep?ms=300" :verify nil))) clients))
+    (is (wait-until (lambda () (= 3 (stats server :in-request-threads))))
+        "three requests in flight before STOP")
+    (values sockets clients)))
+
+(defun stop-under-load (ssl-p soft-p)
+  "One stressed STOP; true when every check held."
+  (with-thread-leak-check ()
+    (let* ((server (stress-server ssl-p))
+           (port (progn (ht:start server) (ht:acceptor-port server))))
+      (multiple-value-bind (sockets clients) (load-for-stop server ssl-p)
+        (unwind-protect
+             (let ((start (get-internal-real-time)))
+               (ht:stop server :soft soft-p)
+               (let ((seconds (/ (- (get-internal-real-time) start) internal-time-units-per-second)))
+                 (is (< seconds 5) "~:[hard~;soft~] STOP of the ~:[plain~;SSL~] acceptor took ~,2F s"
+                     soft-p ssl-p seconds))
+               (is (= 0 (stats server :threads)))
+               (is (= 0 (stats server :open-connections)))
+               (is (port-free-p port) "the port is free")
+               (when soft-p
+                 (is (every (lambda (join) (eql 200 (first (funcall join)))) clients)
+                     "a soft STOP lets requests in flight finish")))
+          (mapc #'funcall clients)
+          (dolist (socket sockets)
+            (ignore-errors (usocket:socket-close socket)))
+          (when (ht:started-p server)
+            (abandon-acceptor server)))))))
+
+(test stop.under-load-returns-within-the-stop-timeout
+  (dotimes (round *stop-rounds*)
+    (dolist (ssl-p '(nil t))
+      (stop-under-load ssl-p (evenp round)))))
