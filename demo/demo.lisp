@@ -28,8 +28,27 @@
 (defun static-directory ()
   (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster" "demo/static/"))
 
+(defvar *termination-signal* nil
+  "The name of the signal that asked the demo to stop, once one has.")
+
+(defun wait-for-termination-signal ()
+  "Return the name of SIGINT (Ctrl-C) or SIGTERM once either arrives.  The
+handlers only note the signal: the main thread, not a signal handler, stops
+the server, so nothing is unwound from inside a handler."
+  (setf *termination-signal* nil)
+  (flet ((note (name)
+           (lambda (signal info context)
+             (declare (ignore signal info context))
+             (setf *termination-signal* name))))
+    (sb-sys:enable-interrupt sb-unix:sigint (note "SIGINT"))
+    (sb-sys:enable-interrupt sb-unix:sigterm (note "SIGTERM")))
+  (loop until *termination-signal*
+        do (sleep 0.1))
+  *termination-signal*)
+
 (defun main (&key (port 4242) (address "127.0.0.1"))
-  "Serve the demo on ADDRESS:PORT until the process is interrupted."
+  "Serve the demo on ADDRESS:PORT until Ctrl-C or SIGTERM, then stop softly
+(requests in flight finish) and return."
   (let ((acceptor (make-instance 'hunchentoot-recycling-taskmaster:parallel-easy-acceptor
                                  :port port :address address
                                  :document-root (static-directory))))
@@ -37,4 +56,8 @@
     (format t "~&Serving http://~A:~D/ (try /yo, /hello?name=you, /slow?ms=500, /stats, /index.html). Ctrl-C stops.~%"
             address (hunchentoot:acceptor-port acceptor))
     (finish-output)
-    (loop (sleep 60))))
+    (let ((signal (wait-for-termination-signal)))
+      (hunchentoot:stop acceptor :soft t)
+      (format t "~&~A: stopped after ~D requests.~%" signal
+              (getf (hunchentoot-recycling-taskmaster:taskmaster-statistics acceptor) :requests-served))
+      (finish-output))))

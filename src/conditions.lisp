@@ -25,9 +25,9 @@
 (define-condition invalid-taskmaster-configuration (invalid-configuration)
   ()
   (:documentation "Signalled by MAKE-INSTANCE of RECYCLING-TASKMASTER when the
-thread counts cannot work together: a negative or non-integer count, a
-standby count above MAX-THREAD-COUNT, or MAX-ACCEPT-COUNT not above
-MAX-THREAD-COUNT."))
+thread counts cannot work together (a negative or non-integer count, or a
+standby count above MAX-THREAD-COUNT) or a timeout is not a positive number
+of seconds."))
 
 (defmethod configuration-subject ((condition invalid-taskmaster-configuration))
   "RECYCLING-TASKMASTER configuration")

@@ -9,8 +9,8 @@
    #:parallel-easy-ssl-acceptor
    #:abandon-acceptor
 
-   ;; How a parallel acceptor reads requests: the connection engine and
-   ;; the limits the readiness-set engine enforces on request heads.
+   ;; How a parallel acceptor serves connections: the connection engine's
+   ;; name and the limits it enforces on the waits and heads of requests.
    #:acceptor-connection-engine
    #:acceptor-header-timeout
    #:acceptor-keep-alive-timeout

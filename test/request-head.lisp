@@ -14,15 +14,23 @@
   (multiple-value-list
    (hunchentoot-recycling-taskmaster::scan-request-head octets 0 (length octets) max-header-bytes)))
 
+(defun head-parts (head)
+  "The headers, method, URI and protocol of the REQUEST-HEAD HEAD, as a list."
+  (list (hunchentoot-recycling-taskmaster::request-head-headers head)
+        (hunchentoot-recycling-taskmaster::request-head-method head)
+        (hunchentoot-recycling-taskmaster::request-head-uri head)
+        (hunchentoot-recycling-taskmaster::request-head-protocol head)))
+
 (defun parse-head (&rest lines)
   "The parse of the head made of LINES (a blank line is added), as a list:
 headers, method, URI, protocol; or the status code alone."
   (let ((octets (apply #'head-octets (append lines '("")))))
     (destructuring-bind (status &optional request-start request-line-end head-end) (scan-head octets)
       (if (eq status :complete)
-          (multiple-value-list
-           (hunchentoot-recycling-taskmaster::parse-request-head octets request-start
-                                                                 request-line-end head-end))
+          (handler-case (head-parts (hunchentoot-recycling-taskmaster::parse-request-head
+                                     octets request-start request-line-end head-end))
+            (hunchentoot-recycling-taskmaster::request-head-refused (condition)
+              (list (hunchentoot-recycling-taskmaster::refused-status condition))))
           (list status)))))
 
 (defun parse-status (&rest lines)
@@ -52,8 +60,8 @@ headers, method, URI, protocol; or the status code alone."
       (is (eq :complete status))
       (is (= (length octets) head-end))
       (destructuring-bind (headers method uri protocol)
-          (multiple-value-list (hunchentoot-recycling-taskmaster::parse-request-head
-                                octets request-start request-line-end head-end))
+          (head-parts (hunchentoot-recycling-taskmaster::parse-request-head
+                       octets request-start request-line-end head-end))
         (is (equal '((:host . "x")) headers))
         (is (eq :get method))
         (is (equal "/" uri))

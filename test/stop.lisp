@@ -98,3 +98,25 @@ close and the client threads to join."
   (dotimes (round *stop-rounds*)
     (dolist (ssl-p '(nil t))
       (stop-under-load ssl-p (evenp round)))))
+
+(ht:define-easy-handler (test-sleep-then-large :uri "/test/sleep-then-large") ()
+  (sleep 0.3)
+  (test-large))
+
+(test stop.soft-stop-ends-with-a-request-whose-client-left
+  ;; The handler's reply fails to go out; Hunchentoot logs that and the
+  ;; request ends.
+  (with-thread-leak-check ()
+    (let ((server (make-server 'parallel-easy-acceptor
+                               :taskmaster (make-instance 'recycling-taskmaster
+                                                          :standby-thread-count 2 :stop-timeout 5))))
+      (ht:start server)
+      (let ((socket (connect server)))
+        (send-text socket (get-request "/test/sleep-then-large"))
+        (is (wait-until (lambda () (= 1 (stats server :in-request-threads)))))
+        (usocket:socket-close socket))
+      (let ((start (get-internal-real-time)))
+        (ht:stop server :soft t)
+        (is (< (/ (- (get-internal-real-time) start) internal-time-units-per-second) 3)
+            "the soft STOP ended with the failed request, well before its 5 s deadline"))
+      (is (= 0 (stats server :threads))))))

@@ -124,44 +124,45 @@ parked, closed or let go afterwards."
     (when (let-go-of-connection worker)
       (close-connection set connection))))
 
-(defun answer-buffered-request (engine worker connection buffer request-start request-line-end head-end end)
-  "Answer the request whose head is in BUFFER.  Returns :KEEP-ALIVE and the
-end of the next request's octets (moved to the start of BUFFER); :CLOSE;
-:LET-GO (a handler took the connection over); or :REFUSE and the status the
-head is refused with."
-  (multiple-value-bind (headers method uri protocol)
-      (parse-request-head buffer request-start request-line-end head-end)
-    (let ((acceptor (engine-acceptor engine))
-          (taskmaster (engine-taskmaster engine)))
-      (when (and (not (integerp headers))
-                 (assoc :transfer-encoding headers)
-                 (not (hunchentoot:acceptor-input-chunking-p acceptor)))
-        ;; This acceptor takes no chunked body: RFC 9112 6.3 says 411.
-        (setf headers 411))
-      (cond ((integerp headers) (values :refuse headers))
-            ((not (note-request-started taskmaster worker)) :close)
-            (t
-             (let* ((stream (connection-stream connection))
-                    (body-p (request-has-body-p headers)))
-               (multiple-value-bind (content-stream buffered chunked-p)
-                   (if body-p (content-stream-for headers stream buffer head-end end) stream)
-                 (when (expects-continue-p headers)
-                   (write-sequence *continue-reply* stream)
-                   (force-output stream))
-                 (let ((outcome (destructuring-bind (remote-addr remote-port local-addr local-port)
-                                    (connection-addresses connection)
-                                  (answer-request acceptor stream content-stream chunked-p
-                                                  (list :headers-in headers :method method :uri uri
-                                                        :server-protocol protocol
-                                                        :remote-addr remote-addr :remote-port remote-port
-                                                        :local-addr local-addr :local-port local-port)))))
-                   (note-request-finished taskmaster worker)
-                   (ecase outcome
-                     (:detached :let-go)
-                     (:close :close)
-                     (:keep-alive
-                      (let ((next-end (next-request-octets connection buffer body-p buffered head-end end)))
-                        (if next-end (values :keep-alive next-end) :close))))))))))))
+(defun answer-buffered-request (engine worker connection request-start request-line-end head-end end)
+  "Answer the request whose head is in WORKER's buffer.  Returns :KEEP-ALIVE
+and the end of the next request's octets (moved to the start of the
+buffer); :CLOSE; :LET-GO (a handler took the connection over); or :REFUSE
+and the status the head is refused with.  The buffer is not an argument of
+this frame, which a handler's backtrace shows: it holds other clients'
+octets."
+  (let* ((buffer (worker-buffer worker))
+         (head (handler-case (parse-request-head buffer request-start request-line-end head-end)
+                 (request-head-refused (condition)
+                   (return-from answer-buffered-request (values :refuse (refused-status condition))))))
+         (headers (request-head-headers head))
+         (acceptor (engine-acceptor engine))
+         (taskmaster (engine-taskmaster engine)))
+    (cond ((and (assoc :transfer-encoding headers)
+                (not (hunchentoot:acceptor-input-chunking-p acceptor)))
+           ;; This acceptor takes no chunked body: RFC 9112 6.3 says 411.
+           (values :refuse 411))
+          ((not (note-request-started taskmaster worker)) :close)
+          (t
+           (let* ((stream (connection-stream connection))
+                  (body-p (request-has-body-p headers))
+                  (outcome nil))
+             (multiple-value-bind (content-stream buffered chunked-p)
+                 (if body-p (content-stream-for headers stream buffer head-end end) stream)
+               (when (expects-continue-p headers)
+                 (write-sequence *continue-reply* stream)
+                 (force-output stream))
+               (unwind-protect
+                    (setf outcome (answer-request acceptor head (connection-addresses connection)
+                                                  stream content-stream chunked-p))
+                 ;; Also when the request failed: a soft STOP waits for it.
+                 (note-request-finished taskmaster worker :answered (and outcome t)))
+               (ecase outcome
+                 (:detached :let-go)
+                 (:close :close)
+                 (:keep-alive
+                  (let ((next-end (next-request-octets connection buffer body-p buffered head-end end)))
+                    (if next-end (values :keep-alive next-end) :close))))))))))
 
 (defun answer-arrived-requests (engine worker connection)
   "Answer every request CONNECTION has sent so far.  Returns what is to
@@ -178,7 +179,7 @@ moves them there."
         (case status
           (:complete
            (multiple-value-bind (outcome next)
-               (answer-buffered-request engine worker connection buffer
+               (answer-buffered-request engine worker connection
                                         request-start request-line-end head-end end)
              (unless (eq outcome :keep-alive)
                (return (values outcome next)))

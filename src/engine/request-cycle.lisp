@@ -58,16 +58,17 @@ value a handler set, here as in Hunchentoot.)"
                         value)
                     name reply))
 
-(defun answer-request (acceptor connection-stream content-stream chunked-p request-initargs)
-  "Answer one request whose head has been read, as Hunchentoot's
-PROCESS-CONNECTION does: make the request of ACCEPTOR's request class from
-REQUEST-INITARGS and CONTENT-STREAM, process it with Hunchentoot's specials
-bound, flush the reply and reset the connection stream.  CONNECTION-STREAM
-is the connection's stream; CHUNKED-P says that CONTENT-STREAM decodes a
-chunked body, and is then also the stream the reply is written to, which is
-how Hunchentoot tells that the body is chunked.  Returns :KEEP-ALIVE,
-:CLOSE (the reply ends the connection) or :DETACHED (a handler called
-HUNCHENTOOT:DETACH-SOCKET and owns the connection now)."
+(defun answer-request (acceptor head addresses connection-stream content-stream chunked-p)
+  "Answer one request, whose REQUEST-HEAD is HEAD, as Hunchentoot's
+PROCESS-CONNECTION does: make the request of ACCEPTOR's request class (with
+the connection's ADDRESSES: peer address and port, then ours), process it
+with Hunchentoot's specials bound, flush the reply and reset the connection
+stream.  CONNECTION-STREAM is the connection's stream; the body is read from
+CONTENT-STREAM, and CHUNKED-P says that it decodes a chunked body: it is
+then also the stream the reply is written to, which is how Hunchentoot
+tells that the body is chunked.  Returns :KEEP-ALIVE, :CLOSE (the reply ends
+the connection) or :DETACHED (a handler called HUNCHENTOOT:DETACH-SOCKET and
+owns the connection now)."
   (with-request-bindings ()
     (setf (current-connection-stream) (if chunked-p content-stream connection-stream))
     (let ((hunchentoot:*reply* (make-instance (hunchentoot:acceptor-reply-class acceptor)))
@@ -76,8 +77,16 @@ HUNCHENTOOT:DETACH-SOCKET and owns the connection now)."
        acceptor
        (lambda ()
          (hunchentoot:process-request
-          (apply #'make-instance (hunchentoot:acceptor-request-class acceptor)
-                 :acceptor acceptor :content-stream content-stream request-initargs)))))
+          (destructuring-bind (remote-addr remote-port local-addr local-port) addresses
+            (make-instance (hunchentoot:acceptor-request-class acceptor)
+                           :acceptor acceptor
+                           :local-addr local-addr :local-port local-port
+                           :remote-addr remote-addr :remote-port remote-port
+                           :headers-in (request-head-headers head)
+                           :content-stream content-stream
+                           :method (request-head-method head)
+                           :uri (request-head-uri head)
+                           :server-protocol (request-head-protocol head)))))))
     (finish-output (current-connection-stream))
     (setf (current-connection-stream)
           (hunchentoot:reset-connection-stream acceptor (current-connection-stream)))

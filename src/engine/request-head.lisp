@@ -73,6 +73,18 @@ MAX-HEADER-BYTES)."
 
 ;;; Parsing a complete head.
 
+(define-condition request-head-refused (error)
+  ((status :initarg :status :reader refused-status
+           :documentation "The status code the head is answered with: 400 or 505."))
+  (:report (lambda (condition stream)
+             (format stream "The request head is refused with status ~D."
+                         (refused-status condition))))
+  (:documentation "Signalled by PARSE-REQUEST-HEAD for a head that is answered
+with an error reply instead of reaching a handler."))
+
+(defun refuse-head (status)
+  (error 'request-head-refused :status status))
+
 (defun token-octet-p (octet)
   "RFC 9110 tchar: the octets of a method or a header name."
   (declare (type (unsigned-byte 8) octet))
@@ -119,7 +131,8 @@ and a keyword exists for every name that code mentions."
   (values start end))
 
 (defun parse-protocol (buffer start end)
-  ":HTTP/1.1, :HTTP/1.0, 505 for another HTTP version, 400 for anything else."
+  ":HTTP/1.1 or :HTTP/1.0; refuses another HTTP version with 505, anything
+else with 400."
   (flet ((digit-at (offset)
            (let ((octet (aref buffer (+ start offset))))
              (and (<= 48 octet 57) (- octet 48)))))
@@ -130,33 +143,31 @@ and a keyword exists for every name that code mentions."
              (digit-at 5)
              (= (aref buffer (+ start 6)) 46)
              (digit-at 7))
-        (cond ((/= 1 (digit-at 5)) 505)
+        (cond ((/= 1 (digit-at 5)) (refuse-head 505))
               ((= 1 (digit-at 7)) :http/1.1)
               ((= 0 (digit-at 7)) :http/1.0)
-              (t 505))
-        400)))
+              (t (refuse-head 505)))
+        (refuse-head 400))))
 
 (defun parse-request-line (buffer start end)
   "The method symbol, URI string and protocol keyword of the request line in
-BUFFER from START below END; or 400 or 505."
+BUFFER from START below END.  Refuses a malformed line with 400, another
+HTTP version with 505."
   (let ((method-end (or (position 32 buffer :start start :end end) end)))
     (when (or (= method-end start) (= method-end end)
               (not (loop for index from start below method-end
                          always (token-octet-p (aref buffer index)))))
-      (return-from parse-request-line 400))
+      (refuse-head 400))
     (let* ((uri-start (1+ method-end))
            (uri-end (or (position 32 buffer :start uri-start :end end) end))
            (protocol-start (1+ uri-end)))
       (when (or (= uri-start uri-end) (>= uri-end end)
                 (not (loop for index from uri-start below uri-end
                            always (<= 33 (aref buffer index) 126))))
-        (return-from parse-request-line 400))
-      (let ((protocol (parse-protocol buffer protocol-start end)))
-        (if (integerp protocol)
-            protocol
-            (values (head-symbol buffer start method-end)
-                    (octets-to-string buffer uri-start uri-end)
-                    protocol))))))
+        (refuse-head 400))
+      (values (head-symbol buffer start method-end)
+              (octets-to-string buffer uri-start uri-end)
+              (parse-protocol buffer protocol-start end)))))
 
 (defun add-header (headers name value)
   "HEADERS with NAME: VALUE added.  A repeated name joins its values with
@@ -165,13 +176,13 @@ must agree, or the head is refused as a smuggling attempt (400)."
   (let ((existing (assoc (symbol-name name) headers :key #'symbol-name :test #'string=)))
     (cond ((null existing) (cons (cons name value) headers))
           ((eq name :content-length)
-           (if (string= (cdr existing) value) headers (throw 'bad-head 400)))
+           (if (string= (cdr existing) value) headers (refuse-head 400)))
           (t (setf (cdr existing) (concatenate 'string (cdr existing) "," value))
              headers))))
 
 (defun parse-header-lines (buffer start end)
   "The headers alist of the header lines in BUFFER from START (just past the
-request line) below END (the blank line's LF).  Throws BAD-HEAD 400 for a
+request line) below END (the blank line's LF).  Refuses with 400 a
 line that is not NAME: VALUE, a name followed by whitespace before its colon,
 a folded line, or a control character in a value."
   (loop with headers = '()
@@ -183,52 +194,58 @@ a folded line, or a control character in a value."
              (when (or (null colon) (= colon line-start)
                        (not (loop for index from line-start below colon
                                   always (token-octet-p (aref buffer index)))))
-               (throw 'bad-head 400))
+               (refuse-head 400))
              (multiple-value-bind (value-start value-end) (trim-field buffer (1+ colon) line-end)
                (unless (loop for index from value-start below value-end
                              always (field-octet-p (aref buffer index)))
-                 (throw 'bad-head 400))
+                 (refuse-head 400))
                (setf headers (add-header headers
                                          (head-symbol buffer line-start colon)
                                          (octets-to-string buffer value-start value-end)))))
         finally (return (nreverse headers))))
 
 (defun check-message-framing (headers)
-  "Refuse (400) a head whose body length is ambiguous, the request smuggling
+  "Refuse with 400 a head whose body length is ambiguous, the request smuggling
 vectors of RFC 9112 6.3: Content-Length together with Transfer-Encoding, a
 Content-Length that is not a decimal number, or a Transfer-Encoding whose
 last coding is not chunked."
   (let ((content-length (cdr (assoc :content-length headers)))
         (transfer-encoding (cdr (assoc :transfer-encoding headers))))
     (when (and content-length transfer-encoding)
-      (throw 'bad-head 400))
+      (refuse-head 400))
     (when (and content-length
                (or (zerop (length content-length))
                    (> (length content-length) 18)
                    (notevery #'digit-char-p content-length)))
-      (throw 'bad-head 400))
+      (refuse-head 400))
     (when (and transfer-encoding
                (not (let ((last-comma (position #\, transfer-encoding :from-end t)))
                       (string-equal "chunked"
                                     (string-trim '(#\Space #\Tab)
                                                  (subseq transfer-encoding
                                                          (if last-comma (1+ last-comma) 0)))))))
-      (throw 'bad-head 400))))
+      (refuse-head 400))))
+
+(defstruct (request-head (:constructor make-request-head (headers method uri protocol)))
+  "A parsed request head: what Hunchentoot's GET-REQUEST-DATA returns."
+  ;; The headers alist, names as PARSE-HEADER-LINES makes them.
+  (headers '() :type list :read-only t)
+  ;; The method's keyword, or an uninterned symbol for a method no code names.
+  (method nil :type symbol :read-only t)
+  (uri "" :type string :read-only t)
+  ;; :HTTP/1.1 or :HTTP/1.0.
+  (protocol nil :type keyword :read-only t))
 
 (defun parse-request-head (buffer request-start request-line-end head-end)
-  "Parse the complete head that SCAN-REQUEST-HEAD found.  Returns the headers
-alist, the method symbol, the URI and the protocol keyword, as Hunchentoot's
-GET-REQUEST-DATA does; or a status code alone: 400 (malformed) or 505."
-  (catch 'bad-head
-    (multiple-value-bind (method uri protocol)
-        (parse-request-line buffer request-start
-                            (line-end-before-lf buffer request-start request-line-end))
-      (if (integerp method)
-          method
-          (let* ((blank-line-start (if (= (aref buffer (- head-end 2)) +cr+) (- head-end 2) (1- head-end)))
-                 (headers (parse-header-lines buffer (1+ request-line-end) blank-line-start)))
-            (check-message-framing headers)
-            (values headers method uri protocol))))))
+  "Parse the complete head that SCAN-REQUEST-HEAD found into a REQUEST-HEAD.
+Signals REQUEST-HEAD-REFUSED with 400 for a malformed head or an ambiguous
+body length, 505 for another HTTP version."
+  (multiple-value-bind (method uri protocol)
+      (parse-request-line buffer request-start (line-end-before-lf buffer request-start request-line-end))
+    (let* ((blank-line-start (if (= (aref buffer (- head-end 2)) +cr+) (- head-end 2) (1- head-end)))
+           (headers (parse-header-lines buffer (1+ request-line-end) blank-line-start)))
+      (check-message-framing headers)
+      (make-request-head headers method uri protocol))))
 
 (defun request-has-body-p (headers)
   (let ((content-length (cdr (assoc :content-length headers))))

@@ -110,8 +110,10 @@ requests in flight)."
       (progn (setf (worker-state worker) :serving) nil)
       t))
 
-(defun note-request-finished (taskmaster worker)
-  (incf (worker-requests-served worker))
+(defun note-request-finished (taskmaster worker &key answered)
+  "WORKER is out of its request: ANSWERED, or left by an error."
+  (when answered
+    (incf (worker-requests-served worker)))
   (setf (worker-state worker) :serving)
   (memory-barrier)
   (when (shutting-down-p taskmaster)

@@ -114,8 +114,8 @@ it wakes every waiter of an epoll set, now and later."
 
 (defun set-non-blocking (usocket)
   "Make accept(2) on the listening USOCKET return at once when nothing is
-pending (USOCKET:SOCKET-ACCEPT then returns NIL).  Accepted sockets do not
-inherit the flag."
+pending: a worker woken for it may find the connection already taken by
+another.  Accepted sockets do not inherit the flag."
   (setf (sb-bsd-sockets:non-blocking-mode (usocket:socket usocket)) t))
 
 (defun receive-available (fd buffer start end)
