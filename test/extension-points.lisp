@@ -139,3 +139,45 @@ it says bye."
             (is (eql 200 (http-get server "/test/warn")) "~S answers" class)))
         (is (search "A warning from a handler, on purpose." (get-output-stream-string log))
             "~S logs the handler's warning" class)))))
+
+(defun shows-secret-p (text)
+  "True when TEXT shows the secret of the test below, as characters or as the
+octets of a printed buffer (S is 83)."
+  (or (search "SSSSSSSSSS" text) (search "83 83 83 83 83 83" text)))
+
+(defmacro with-hunchentoot-setting ((variable value) &body body)
+  "Run BODY with Hunchentoot's global VARIABLE set to VALUE in every thread."
+  (let ((old (gensym "OLD")))
+    `(let ((,old ,variable))
+       (setf ,variable ,value)
+       (unwind-protect (progn ,@body)
+         (setf ,variable ,old)))))
+
+(test logging.handler-error-shows-no-other-clients-bytes
+  ;; One worker reads a client's long head into its buffer, then serves a
+  ;; failing handler for another client; the backtrace in the log and on
+  ;; the error page must not print that buffer.
+  (let ((log (make-string-output-stream))
+        (secret (make-string 3000 :initial-element #\S)))
+    (with-thread-leak-check ()
+      (with-hunchentoot-setting (ht:*show-lisp-errors-p* t)
+        (with-hunchentoot-setting (ht:*show-lisp-backtraces-p* t)
+          (with-server (server (make-server 'parallel-easy-acceptor
+                                            :message-log-destination log
+                                            :taskmaster (make-instance 'recycling-taskmaster
+                                                                       :standby-thread-count 1
+                                                                       :max-thread-count 1)))
+            (let ((socket (connect server)))
+              (send-text socket (crlf-lines "GET /test/yo HTTP/1.1" "Host: localhost"
+                                            (format nil "Cookie: session=~A" secret) ""))
+              (is (eql 200 (read-response socket)))
+              (usocket:socket-close socket))
+            (multiple-value-bind (status page) (http-get server "/test/error")
+              (is (eql 500 status))
+              (is (search "This handler fails on purpose." page) "the page shows the error")
+              (is (not (shows-secret-p page)) "the error page holds no other client's bytes")
+              (is (< (length page) 10240) "the error page is ~D characters" (length page)))))))
+    (let ((text (get-output-stream-string log)))
+      (is (search "This handler fails on purpose." text) "the error is logged")
+      (is (not (shows-secret-p text)) "the log holds no other client's bytes")
+      (is (< (length text) 10240) "the log entry is ~D characters" (length text)))))

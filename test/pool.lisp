@@ -272,6 +272,7 @@ that joins the client (see IN-THREAD)."
                        :connections-accepted :requests-served :threads-created :threads-retired :peak-threads
                        :parked-connections :open-connections :keep-alive-timeouts
                        :bad-request-replies :header-timeout-replies :length-required-replies
+                       :not-implemented-replies
                        :uri-too-long-replies
                        :header-too-large-replies :version-not-supported-replies))
           (is (integerp (getf statistics key)) "~S is missing" key))

@@ -57,6 +57,31 @@ then closed the connection."
       (check 400 :bad-request-replies (get-request "/test/yo" "No colon here"))
       (check 505 :version-not-supported-replies (crlf-lines "GET / HTTP/2.0" "Host: x" "")))))
 
+(test limits.rfc-9112-framing-and-host-rules-are-answered
+  (with-readiness-server (server)
+    (flet ((check (status text why)
+             (multiple-value-bind (answer closed-p) (refused-with server text)
+               (is (eql status answer) "~A: expected ~D, got ~S" why status answer)
+               (is-true closed-p "~A: the connection is closed" why))))
+      (check 400 (concatenate 'string
+                              (crlf-lines "POST /test/body HTTP/1.0" "Transfer-Encoding: chunked"
+                                          "Connection: keep-alive" "")
+                              (crlf-lines "1e" "GET /test/yo HTTP/1.0" "" "" "0" ""))
+             "HTTP/1.0 with Transfer-Encoding, a request hidden in its body")
+      (check 501 (crlf-lines "POST /test/body HTTP/1.1" "Host: x" "Transfer-Encoding: gzip, chunked" ""
+                             "0" "")
+             "a coding before chunked")
+      (check 400 (crlf-lines "GET /test/yo HTTP/1.1" "") "HTTP/1.1 without Host")
+      (check 400 (crlf-lines "GET /test/yo HTTP/1.1" "Host: a" "Host: b" "") "two Hosts")
+      (check 400 (crlf-lines "GET /test/yo HTTP/1.1" "Host: a b" "") "an invalid Host"))
+    (is (= 4 (stats server :bad-request-replies)))
+    (is (= 1 (stats server :not-implemented-replies)))
+    (with-connection (socket server)
+      (send-text socket (crlf-lines "GET http://other.example/test/header?name=host HTTP/1.1"
+                                    "Host: mine.example" ""))
+      (is (equal "other.example" (nth-value 1 (read-response socket)))
+          "a target in absolute form names the host the handler sees"))))
+
 (test limits.too-many-header-lines-is-431
   (with-readiness-server (server)
     (is (eql 431 (refused-with server (apply #'get-request "/test/yo"

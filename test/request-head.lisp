@@ -88,8 +88,8 @@ headers, method, URI, protocol; or the status code alone."
 
 (test head.at-most-100-header-lines
   (flet ((lines (count) (loop for i below count collect (format nil "X-~D: ~D" i i))))
-    (is (eq :accepted (apply #'parse-status "GET / HTTP/1.1" (lines 100))))
-    (is (eql 431 (apply #'parse-status "GET / HTTP/1.1" (lines 101))))))
+    (is (eq :accepted (apply #'parse-status "GET / HTTP/1.0" (lines 100))))
+    (is (eql 431 (apply #'parse-status "GET / HTTP/1.0" (lines 101))))))
 
 (test head.malformed-heads-are-400
   (dolist (lines `(("GET / HTTP/1.1" "Host x")
@@ -115,11 +115,47 @@ headers, method, URI, protocol; or the status code alone."
   (is (eql 400 (parse-status "POST / HTTP/1.1" "Content-Length: 5" "Content-Length: 6")))
   (is (eql 400 (parse-status "POST / HTTP/1.1" "Content-Length: -5")))
   (is (eql 400 (parse-status "POST / HTTP/1.1" "Content-Length: 5, 5")))
-  (is (eql 400 (parse-status "POST / HTTP/1.1" "Transfer-Encoding: gzip")))
-  (is (eq :accepted (parse-status "POST / HTTP/1.1" "Transfer-Encoding: gzip, chunked")))
+  (is (eql 400 (parse-status "POST / HTTP/1.1" "Host: x" "Transfer-Encoding: gzip")))
   (is (equal '((:content-length . "5"))
-             (first (parse-head "POST / HTTP/1.1" "Content-Length: 5" "Content-Length: 5")))
+             (first (parse-head "POST / HTTP/1.0" "Content-Length: 5" "Content-Length: 5")))
       "a repeated Content-Length that agrees is one header"))
+
+(test head.transfer-codings-follow-rfc-9112
+  (is (eq :accepted (parse-status "POST / HTTP/1.1" "Host: x" "Transfer-Encoding: chunked")))
+  (is (eq :accepted (parse-status "POST / HTTP/1.1" "Host: x" "Transfer-Encoding: Chunked ")))
+  (is (eql 400 (parse-status "POST / HTTP/1.0" "Transfer-Encoding: chunked" "Connection: keep-alive"))
+      "HTTP/1.0 with Transfer-Encoding has faulty framing (6.1)")
+  (dolist (codings '("identity, chunked" "gzip, chunked" "chunked, chunked" "gzip,chunked"))
+    (is (eql 501 (parse-status "POST / HTTP/1.1" "Host: x" (format nil "Transfer-Encoding: ~A" codings)))
+        "~A: a coding this server does not decode" codings))
+  (is (eql 400 (parse-status "POST / HTTP/1.1" "Host: x" "Transfer-Encoding: chunked, gzip"))
+      "chunked not last: the length cannot be known"))
+
+(test head.http-1.1-needs-one-valid-host
+  (is (eql 400 (parse-status "GET / HTTP/1.1")) "no Host")
+  (is (eql 400 (parse-status "GET / HTTP/1.1" "Host: a" "Host: b")) "two Hosts")
+  (is (eql 400 (parse-status "GET / HTTP/1.1" "Host: a" "host: a")) "two Hosts, even equal")
+  (dolist (host '("exa mple" "a/b" "a:b" "[::1" "[zz]" "a@b" "\"x\""))
+    (is (eql 400 (parse-status "GET / HTTP/1.1" (format nil "Host: ~A" host))) "invalid Host ~S" host))
+  (dolist (host '("example.org" "example.org:8080" "127.0.0.1:80" "[::1]:4242" "[::1]" "" "a:" "xn--bcher-kva.example"))
+    (is (eq :accepted (parse-status "GET / HTTP/1.1" (format nil "Host: ~A" host))) "valid Host ~S" host))
+  (is (eq :accepted (parse-status "GET / HTTP/1.0")) "HTTP/1.0 needs none"))
+
+(test head.absolute-form-target-names-the-host
+  (flet ((host-of (&rest lines)
+           (cdr (assoc :host (first (apply #'parse-head lines))))))
+    (is (equal "other.example" (host-of "GET http://other.example/x HTTP/1.1" "Host: mine.example")))
+    (is (equal "other.example:81" (host-of "GET HTTPS://other.example:81?q HTTP/1.1" "Host: mine.example")))
+    (is (equal "other.example" (host-of "GET http://other.example HTTP/1.1")) "a Host header is not needed")
+    (is (equal "mine.example" (host-of "GET /x HTTP/1.1" "Host: mine.example")) "origin form keeps Host"))
+  (is (eql 400 (parse-status "GET http://bad host/ HTTP/1.1" "Host: x"))))
+
+(test head.methods-are-case-sensitive
+  (destructuring-bind (headers method uri protocol) (parse-head "get / HTTP/1.1" "Host: x")
+    (declare (ignore headers uri protocol))
+    (is (not (eq :get method)) "get is not GET (RFC 9110 9.1)")
+    (is (string= "get" (symbol-name method))))
+  (is (eq :get (second (parse-head "GET / HTTP/1.1" "Host: x")))))
 
 (test head.repeated-headers-are-joined
   (is (equal '((:accept . "a,b") (:host . "x"))
@@ -128,12 +164,12 @@ headers, method, URI, protocol; or the status code alone."
 (test head.values-are-latin-1
   (let ((cafe (format nil "caf~C" (code-char 233))))
     (is (equal `((:x-name . ,cafe))
-               (first (parse-head "GET / HTTP/1.1" (format nil "X-Name: ~A" cafe)))))))
+               (first (parse-head "GET / HTTP/1.0" (format nil "X-Name: ~A" cafe)))))))
 
 (test head.made-up-names-are-not-interned
   (let* ((header-name (format nil "X-Made-Up-~36R" (random (expt 2 64))))
          (method-name (format nil "FROB~36R" (random (expt 2 64))))
-         (parse (parse-head (format nil "~A / HTTP/1.1" method-name) (format nil "~A: yes" header-name)
+         (parse (parse-head (format nil "~A / HTTP/1.0" method-name) (format nil "~A: yes" header-name)
                             "Content-Type: text/plain")))
     (destructuring-bind (headers method uri protocol) parse
       (declare (ignore uri protocol))

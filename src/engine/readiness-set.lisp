@@ -62,6 +62,7 @@
     (411 . :length-required-replies)
     (414 . :uri-too-long-replies)
     (431 . :header-too-large-replies)
+    (501 . :not-implemented-replies)
     (505 . :version-not-supported-replies))
   "Status code of a refused head -> its counter's key in TASKMASTER-STATISTICS.")
 

@@ -75,7 +75,7 @@ MAX-HEADER-BYTES)."
 
 (define-condition request-head-refused (error)
   ((status :initarg :status :reader refused-status
-           :documentation "The status code the head is answered with: 400 or 505."))
+           :documentation "The status code the head is answered with: 400, 501 or 505."))
   (:report (lambda (condition stream)
              (format stream "The request head is refused with status ~D."
                          (refused-status condition))))
@@ -105,9 +105,9 @@ with an error reply instead of reaching a handler."))
           do (setf (schar string position) (code-char (aref buffer index))))
     string))
 
-(defun head-symbol (buffer start end)
-  "The keyword naming the token in BUFFER from START below END, upcased, as
-Hunchentoot names methods and header names, if that keyword exists; else an
+(defun head-symbol (buffer start end &key (upcase t))
+  "The keyword naming the token in BUFFER from START below END (upcased when
+UPCASE, as Hunchentoot names header names), if that keyword exists; else an
 uninterned symbol of the same name.  Interning every name a client makes up
 would grow the keyword package without bound (Hunchentoot issue #24);
 HUNCHENTOOT:HEADER-IN still finds an uninterned name when given a string,
@@ -115,7 +115,8 @@ and a keyword exists for every name that code mentions."
   (let ((name (make-string (- end start) :element-type 'base-char)))
     (loop for index from start below end
           for position from 0
-          do (setf (schar name position) (char-upcase (code-char (aref buffer index)))))
+          do (setf (schar name position) (let ((char (code-char (aref buffer index))))
+                                           (if upcase (char-upcase char) char))))
     (or (find-symbol name "KEYWORD") (make-symbol name))))
 
 (defun line-end-before-lf (buffer line-start lf-position)
@@ -165,18 +166,21 @@ HTTP version with 505."
                 (not (loop for index from uri-start below uri-end
                            always (<= 33 (aref buffer index) 126))))
         (refuse-head 400))
-      (values (head-symbol buffer start method-end)
+      ;; RFC 9110 9.1: a method is case-sensitive, so "get" is not GET.
+      (values (head-symbol buffer start method-end :upcase nil)
               (octets-to-string buffer uri-start uri-end)
               (parse-protocol buffer protocol-start end)))))
 
 (defun add-header (headers name value)
   "HEADERS with NAME: VALUE added.  A repeated name joins its values with
 commas, as Hunchentoot (through Chunga) does; two Content-Length headers
-must agree, or the head is refused as a smuggling attempt (400)."
+must agree, or the head is refused as a smuggling attempt (400), and a
+second Host is refused (RFC 9112 3.2)."
   (let ((existing (assoc (symbol-name name) headers :key #'symbol-name :test #'string=)))
     (cond ((null existing) (cons (cons name value) headers))
           ((eq name :content-length)
            (if (string= (cdr existing) value) headers (refuse-head 400)))
+          ((eq name :host) (refuse-head 400))
           (t (setf (cdr existing) (concatenate 'string (cdr existing) "," value))
              headers))))
 
@@ -204,11 +208,20 @@ a folded line, or a control character in a value."
                                          (octets-to-string buffer value-start value-end)))))
         finally (return (nreverse headers))))
 
-(defun check-message-framing (headers)
-  "Refuse with 400 a head whose body length is ambiguous, the request smuggling
-vectors of RFC 9112 6.3: Content-Length together with Transfer-Encoding, a
-Content-Length that is not a decimal number, or a Transfer-Encoding whose
-last coding is not chunked."
+(defun split-codings (transfer-encoding)
+  "The transfer codings of a Transfer-Encoding value, trimmed, in order."
+  (loop for start = 0 then (1+ comma)
+        for comma = (position #\, transfer-encoding :start start)
+        collect (string-trim '(#\Space #\Tab) (subseq transfer-encoding start comma))
+        while comma))
+
+(defun check-message-framing (headers protocol)
+  "Refuse a head whose body length is ambiguous, the request smuggling
+vectors of RFC 9112 6: with 400 Content-Length together with
+Transfer-Encoding, a Content-Length that is not a decimal number, a
+Transfer-Encoding whose last coding is not chunked, or any Transfer-Encoding
+in HTTP/1.0 (6.1: its framing is faulty); with 501 codings before chunked,
+which this server does not decode (6.1)."
   (let ((content-length (cdr (assoc :content-length headers)))
         (transfer-encoding (cdr (assoc :transfer-encoding headers))))
     (when (and content-length transfer-encoding)
@@ -218,13 +231,60 @@ last coding is not chunked."
                    (> (length content-length) 18)
                    (notevery #'digit-char-p content-length)))
       (refuse-head 400))
-    (when (and transfer-encoding
-               (not (let ((last-comma (position #\, transfer-encoding :from-end t)))
-                      (string-equal "chunked"
-                                    (string-trim '(#\Space #\Tab)
-                                                 (subseq transfer-encoding
-                                                         (if last-comma (1+ last-comma) 0)))))))
-      (refuse-head 400))))
+    (when transfer-encoding
+      (let ((codings (split-codings transfer-encoding)))
+        (cond ((or (eq protocol :http/1.0)
+                   (not (string-equal "chunked" (car (last codings)))))
+               (refuse-head 400))
+              ((rest codings) (refuse-head 501)))))))
+
+(defun reg-name-char-p (char)
+  "RFC 3986 reg-name and IPv4address characters: unreserved, pct-encoded and sub-delims."
+  (or (alphanumericp char) (find char "-._~%!$&'()*+,;=")))
+
+(defun valid-authority-p (authority)
+  "True when AUTHORITY is uri-host [\":\" port] (RFC 9110 7.2), the empty
+string included: a bracketed IP literal of hex digits, colons and dots, or
+reg-name characters; then, optionally, a colon and digits.  Conses nothing:
+it runs for every request."
+  (flet ((all (predicate start end)
+           (loop for index from start below end
+                 always (funcall predicate (char authority index)))))
+    (let* ((length (length authority))
+           (host-end (if (and (plusp length) (char= (char authority 0) #\[))
+                         (let ((close (position #\] authority)))
+                           (and close
+                                (all (lambda (char) (or (digit-char-p char 16) (find char ":."))) 1 close)
+                                (1+ close)))
+                         (let ((colon (or (position #\: authority) length)))
+                           (and (all #'reg-name-char-p 0 colon) colon)))))
+      (and host-end
+           (or (= host-end length)
+               (and (char= (char authority host-end) #\:)
+                    (all #'digit-char-p (1+ host-end) length)))))))
+
+(defun absolute-form-authority (uri)
+  "The authority of URI when it is in absolute form (RFC 9112 3.2.2), else NIL."
+  (let ((scheme-end (search "://" uri)))
+    (when (and scheme-end
+               (member (subseq uri 0 scheme-end) '("http" "https") :test #'string-equal))
+      (let* ((start (+ scheme-end 3))
+             (end (or (position-if (lambda (char) (find char "/?#")) uri :start start) (length uri))))
+        (subseq uri start end)))))
+
+(defun check-host (headers uri protocol)
+  "HEADERS with the Host the request names: RFC 9112 3.2 refuses with 400 an
+HTTP/1.1 request without Host (a second Host is refused as it is read) or
+an invalid one; a target in absolute form names the host instead of the
+Host header (3.2.2)."
+  (let ((host (assoc :host headers))
+        (authority (absolute-form-authority uri)))
+    (cond ((and (null host) (null authority) (eq protocol :http/1.1)) (refuse-head 400))
+          ((and host (not (valid-authority-p (cdr host)))) (refuse-head 400))
+          ((null authority) headers)
+          ((not (valid-authority-p authority)) (refuse-head 400))
+          (host (setf (cdr host) authority) headers)
+          (t (append headers (list (cons :host authority)))))))
 
 (defstruct (request-head (:constructor make-request-head (headers method uri protocol)))
   "A parsed request head: what Hunchentoot's GET-REQUEST-DATA returns."
@@ -238,14 +298,15 @@ last coding is not chunked."
 
 (defun parse-request-head (buffer request-start request-line-end head-end)
   "Parse the complete head that SCAN-REQUEST-HEAD found into a REQUEST-HEAD.
-Signals REQUEST-HEAD-REFUSED with 400 for a malformed head or an ambiguous
-body length, 505 for another HTTP version."
+Signals REQUEST-HEAD-REFUSED with 400 for a malformed head, an ambiguous
+body length or a missing or invalid Host, 501 for a transfer coding other
+than chunked, 505 for another HTTP version."
   (multiple-value-bind (method uri protocol)
       (parse-request-line buffer request-start (line-end-before-lf buffer request-start request-line-end))
     (let* ((blank-line-start (if (= (aref buffer (- head-end 2)) +cr+) (- head-end 2) (1- head-end)))
            (headers (parse-header-lines buffer (1+ request-line-end) blank-line-start)))
-      (check-message-framing headers)
-      (make-request-head headers method uri protocol))))
+      (check-message-framing headers protocol)
+      (make-request-head (check-host headers uri protocol) method uri protocol))))
 
 (defun request-has-body-p (headers)
   (let ((content-length (cdr (assoc :content-length headers))))
@@ -275,6 +336,8 @@ body length, 505 for another HTTP version."
         (cons 414 (make-error-reply 414 "URI Too Long" "The request line is longer than 8 KiB."))
         (cons 431 (make-error-reply 431 "Request Header Fields Too Large"
                                     "The request has too many header lines, or they are too long."))
+        (cons 501 (make-error-reply 501 "Not Implemented"
+                                    "The request's transfer coding is not implemented here."))
         (cons 505 (make-error-reply 505 "HTTP Version Not Supported" "Use HTTP/1.0 or HTTP/1.1.")))
   "Status code -> the whole reply, status line to body, sent to a connection
 whose head is refused before it is closed.")

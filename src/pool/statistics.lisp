@@ -18,10 +18,11 @@ once the taskmaster has been started; the readiness engine's are
 :OPEN-CONNECTIONS (parked or being served), and the totals
 :CONNECTIONS-ACCEPTED, :KEEP-ALIVE-TIMEOUTS (kept-alive connections closed
 after KEEP-ALIVE-TIMEOUT idle seconds), and one count per refused request
-head: :BAD-REQUEST-REPLIES (400, malformed or ambiguous framing),
+head: :BAD-REQUEST-REPLIES (400: malformed, ambiguous framing, missing or invalid Host),
 :HEADER-TIMEOUT-REPLIES (408), :LENGTH-REQUIRED-REPLIES (411, a chunked
 body to an acceptor without input chunking), :URI-TOO-LONG-REPLIES (414),
-:HEADER-TOO-LARGE-REPLIES (431) and :VERSION-NOT-SUPPORTED-REPLIES (505).
+:HEADER-TOO-LARGE-REPLIES (431), :NOT-IMPLEMENTED-REPLIES (501, a transfer
+coding other than chunked) and :VERSION-NOT-SUPPORTED-REPLIES (505).
 The order of keys is unspecified.  The pool's counts are taken under its
 lock in one go; the engine's counts and :REQUESTS-SERVED may lag by the
 work finishing while they are read."))
