@@ -83,9 +83,11 @@ its values as a list."
 
 ;;; A raw client, for what drakma hides: exact bytes, keep-alive, many sockets.
 
+(defun connect-to-port (port)
+  (usocket:socket-connect "127.0.0.1" port :element-type '(unsigned-byte 8)))
+
 (defun connect (server)
-  (usocket:socket-connect "127.0.0.1" (ht:acceptor-port server)
-                          :element-type '(unsigned-byte 8)))
+  (connect-to-port (ht:acceptor-port server)))
 
 (defun send-text (socket text)
   (let ((stream (usocket:socket-stream socket)))

@@ -10,12 +10,9 @@
 (in-package #:hunchentoot-recycling-taskmaster)
 
 (defconstant +sweep-interval-seconds+ 1/4
-  "How often parked connections whose deadline has passed are ended: the
-precision of the header and keep-alive timeouts.")
-
-(defconstant +accept-failure-pause-seconds+ 1/10
-  "How long a worker pauses after accept(2) failed for a reason that
-persists (EMFILE, ENFILE), so as not to spin on it.")
+  "How often parked connections whose deadline has passed are ended (the
+precision of the header and keep-alive timeouts), and accepting resumes
+after it paused.")
 
 (defclass readiness-engine (connection-engine)
   ((set :initform nil :accessor engine-readiness-set
@@ -70,19 +67,23 @@ NIL when WORKER is to end (the pool is stopping, or WORKER is surplus)."
 
 ;;; Accepting.
 
-(defun note-accept-failed (engine condition)
-  "accept(2) failed with CONDITION.  EMFILE and the like persist: log it and
-pause.  Quiet while stopping."
+(defun note-accept-failed (engine set condition)
+  "accept(2) failed with CONDITION.  EMFILE and the like last until
+connections close: pause accepting until the next sweep, as nginx turns its
+accept events off for a moment, and log it (quiet while stopping)."
   (unless (stopping-p engine)
-    (hunchentoot:acceptor-log-message (engine-acceptor engine) :error "accept failed: ~A" condition)
-    (sleep +accept-failure-pause-seconds+)))
+    (call-with-spare-descriptor
+     set (lambda ()
+           (log-safely (engine-acceptor engine) :error "accept failed, accepting paused for a moment: ~A"
+                       condition))))
+  (pause-accepting set))
 
 (defun accept-new-connection (engine set)
   "A new CONNECTION from SET's listening socket, :ACTIVE, or NIL."
   (let ((fd (handler-case (accept-connection-fd (readiness-set-listen-fd set))
               (error (condition)
-                (note-accept-failed engine condition)
-                nil))))
+                (note-accept-failed engine set condition)
+                (return-from accept-new-connection nil)))))
     ;; Another worker may accept the next connection while this one serves.
     (rearm-listen-socket set)
     (when fd
@@ -280,7 +281,9 @@ pipelined requests."
   +sweep-interval-seconds+)
 
 (defmethod engine-maintain ((engine readiness-engine))
-  (close-expired-connections (engine-readiness-set engine)))
+  (let ((set (engine-readiness-set engine)))
+    (close-expired-connections set)
+    (resume-accepting set)))
 
 (defmethod engine-statistics ((engine readiness-engine))
   (readiness-statistics (engine-readiness-set engine) (engine-counters engine)))

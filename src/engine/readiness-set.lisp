@@ -82,6 +82,14 @@ taskmaster keeps it from run to run; each run's set counts into it."
   (wakeup-fd -1 :type fixnum :read-only t)
   ;; The acceptor's listening socket, non-blocking.
   (listen-fd -1 :type fixnum :read-only t)
+  ;; True while accepting pauses: accept(2) failed for a reason that lasts
+  ;; (EMFILE, ENFILE), and the listening socket is left disarmed until the
+  ;; next sweep, instead of a worker sleeping or spinning on it.
+  (accept-paused-p nil)
+  ;; A descriptor held in reserve, so that a message can still be logged when
+  ;; the process has no other free (Hunchentoot opens the log file for every
+  ;; message); NIL when none could be kept.
+  (spare-fd nil)
   (table-lock (bt:make-lock "readiness-set-table") :read-only t)
   ;; Index -> the CONNECTION holding it, or NIL.
   (slots (make-array 1024 :initial-element nil) :type simple-vector)
@@ -109,6 +117,7 @@ timeouts are in seconds."
                                    :counters counters
                                    :header-timeout (seconds->internal-units header-timeout)
                                    :keep-alive-timeout (seconds->internal-units keep-alive-timeout))))
+    (setf (readiness-set-spare-fd set) (open-spare-fd))
     (set-non-blocking listen-socket)
     (epoll-watch epoll-fd (readiness-set-listen-fd set) +listen-token+ :one-shot t)
     (epoll-watch epoll-fd (readiness-set-wakeup-fd set) +wakeup-token+)
@@ -116,10 +125,32 @@ timeouts are in seconds."
 
 (defun destroy-readiness-set (set)
   (close-fd (readiness-set-epoll-fd set))
-  (close-fd (readiness-set-wakeup-fd set)))
+  (close-fd (readiness-set-wakeup-fd set))
+  (let ((spare-fd (shiftf (readiness-set-spare-fd set) nil)))
+    (when spare-fd (close-fd spare-fd))))
+
+(defun call-with-spare-descriptor (set function)
+  "Call FUNCTION with SET's spare descriptor given up, so that FUNCTION can
+open one file though the process has no other descriptor free; keep a spare
+again afterwards if one can be had.  Called by one thread at a time: the
+worker whose accept(2) failed, before it lets another accept."
+  (let ((spare-fd (shiftf (readiness-set-spare-fd set) nil)))
+    (when spare-fd (close-fd spare-fd))
+    (unwind-protect (funcall function)
+      (setf (readiness-set-spare-fd set) (open-spare-fd)))))
 
 (defun rearm-listen-socket (set)
   (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+))
+
+(defun pause-accepting (set)
+  "Leave the listening socket disarmed until RESUME-ACCEPTING."
+  (setf (readiness-set-accept-paused-p set) t))
+
+(defun resume-accepting (set)
+  "Arm the listening socket again if accepting was paused."
+  (when (readiness-set-accept-paused-p set)
+    (setf (readiness-set-accept-paused-p set) nil)
+    (rearm-listen-socket set)))
 
 (defun wake-all-waiters (set)
   "Make every epoll_wait on SET, now and later, return at once."

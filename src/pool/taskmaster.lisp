@@ -184,6 +184,13 @@ PARALLEL-ACCEPTOR."))
     (format nil "~A:~A" (or (hunchentoot:acceptor-address acceptor) "*")
             (hunchentoot:acceptor-port acceptor))))
 
+(defun log-safely (acceptor level format-control &rest format-arguments)
+  "ACCEPTOR-LOG-MESSAGE, except that a failure to log is dropped: Hunchentoot
+opens a log file for every message, which fails when the process is out of
+descriptors, and a worker must not die of a message it cannot write."
+  (handler-case (apply #'hunchentoot:acceptor-log-message acceptor level format-control format-arguments)
+    (error () nil)))
+
 (defun seconds->internal-units (seconds)
   (round (* seconds internal-time-units-per-second)))
 

@@ -43,8 +43,8 @@ system refuses a thread, log it and pause, so as not to spin on it."
                                         :name (worker-thread-name taskmaster)))
       (error (condition)
         (note-worker-not-made taskmaster worker)
-        (hunchentoot:acceptor-log-message (hunchentoot:taskmaster-acceptor taskmaster)
-                                          :error "could not make a worker thread: ~A" condition)
+        (log-safely (hunchentoot:taskmaster-acceptor taskmaster)
+                    :error "could not make a worker thread: ~A" condition)
         (sleep 0.1)))))
 
 (defun next-maker-task (taskmaster maintenance-deadline)

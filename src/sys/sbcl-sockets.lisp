@@ -112,6 +112,11 @@ it wakes every waiter of an epoll set, now and later."
 (defun close-fd (fd)
   (sb-unix:unix-close fd))
 
+(defun open-spare-fd ()
+  "A descriptor on /dev/null, kept to be given up when the process has no
+other: its number, or NIL when none could be opened."
+  (sb-unix:unix-open "/dev/null" sb-unix:o_rdonly 0))
+
 (defun set-non-blocking (usocket)
   "Make accept(2) on the listening USOCKET return at once when nothing is
 pending: a worker woken for it may find the connection already taken by
