@@ -347,3 +347,31 @@ then closed the connection."
     (is (rejected-p :max-header-bytes 10))
     (is (rejected-p :read-timeout 1 :write-timeout 2))
     (is (not (rejected-p :header-timeout 0.5)))))
+
+;;; IPv6.
+
+(defun ipv6-loopback-p ()
+  "True when this machine can listen on ::1."
+  (handler-case (progn (usocket:socket-close (usocket:socket-listen "::1" 0)) t)
+    (error () nil)))
+
+(ht:define-easy-handler (test-addresses :uri "/test/addresses") ()
+  (setf (ht:content-type*) "text/plain")
+  (format nil "~A ~A" (ht:remote-addr*) (ht:local-addr*)))
+
+(test addresses.ipv6-acceptor-reports-ipv6-addresses
+  (if (not (ipv6-loopback-p))
+      (skip "this machine has no IPv6 loopback")
+      (with-thread-leak-check ()
+        (with-server (server (make-instance 'parallel-easy-acceptor :address "::1" :port 0
+                                                                    :access-log-destination nil
+                                                                    :message-log-destination nil))
+          (let ((socket (usocket:socket-connect "::1" (ht:acceptor-port server)
+                                                :element-type '(unsigned-byte 8))))
+            (unwind-protect
+                 (progn
+                   (send-text socket (get-request "/test/addresses"))
+                   (multiple-value-bind (status body) (read-response socket)
+                     (is (eql 200 status))
+                     (is (equal "::1 ::1" body))))
+              (usocket:socket-close socket)))))))

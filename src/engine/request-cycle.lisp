@@ -24,14 +24,20 @@ Closing it (USOCKET:SOCKET-CLOSE) closes the connection."))
 (defun make-connection-socket (connection stream)
   (make-instance 'connection-socket :connection connection :stream stream))
 
+(defun address-vector (address)
+  "The octet vector USOCKET gives for the textual ADDRESS, IPv4 or IPv6."
+  (if (find #\: address)
+      (usocket:ipv6-host-to-vector address)
+      (usocket:dotted-quad-to-vector-quad address)))
+
 (defun socket-side (socket side)
-  "The address (a vector quad, as USOCKET gives it) and port of SIDE, :PEER
+  "The address (an octet vector, as USOCKET gives it) and port of SIDE, :PEER
 or :LOCAL, of SOCKET's connection."
   (destructuring-bind (remote-address remote-port local-address local-port)
       (connection-addresses (connection-socket-connection socket))
     (ecase side
-      (:peer (values (usocket:dotted-quad-to-vector-quad remote-address) remote-port))
-      (:local (values (usocket:dotted-quad-to-vector-quad local-address) local-port)))))
+      (:peer (values (address-vector remote-address) remote-port))
+      (:local (values (address-vector local-address) local-port)))))
 
 (defmethod usocket:get-peer-name ((socket connection-socket)) (socket-side socket :peer))
 (defmethod usocket:get-local-name ((socket connection-socket)) (socket-side socket :local))

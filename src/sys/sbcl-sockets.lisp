@@ -34,7 +34,6 @@ __EPOLL_PACKED), naturally aligned elsewhere.")
 (defconstant +sock-cloexec+ #o2000000)
 (defconstant +shut-wr+ 1)
 (defconstant +shut-rdwr+ 2)
-(defconstant +sockaddr-in-bytes+ 16)
 
 (defun socket-file-descriptor (usocket)
   (sb-bsd-sockets:socket-file-descriptor (usocket:socket usocket)))
@@ -183,32 +182,59 @@ readiness set reads it with MSG_DONTWAIT."
                   ((member errno (list +eagain+ +econnaborted+)) (return nil))
                   (t (foreign-error "accept4"))))))))
 
-(defmacro define-sockaddr-reader (name foreign-name)
-  "Define NAME of an FD: the dotted-quad address and the port that the
-foreign function FOREIGN-NAME (getpeername or getsockname) reports."
-  `(defun ,name (fd)
-     (sb-alien:with-alien ((address (array (sb-alien:unsigned 8) #.+sockaddr-in-bytes+))
-                           (length sb-alien:unsigned))
-       (setf length +sockaddr-in-bytes+)
-       (let ((sap (sb-alien:alien-sap address)))
-         (unless (zerop (sb-alien:alien-funcall
-                         (sb-alien:extern-alien ,foreign-name (function sb-alien:int sb-alien:int
-                                                                        sb-sys:system-area-pointer
-                                                                        (* sb-alien:unsigned)))
-                         fd sap (sb-alien:addr length)))
-           (foreign-error ,foreign-name))
-         ;; struct sockaddr_in: family (2 octets), port (network order), address.
-         (values (format nil "~D.~D.~D.~D" (sb-sys:sap-ref-8 sap 4) (sb-sys:sap-ref-8 sap 5)
-                         (sb-sys:sap-ref-8 sap 6) (sb-sys:sap-ref-8 sap 7))
-                 (+ (* 256 (sb-sys:sap-ref-8 sap 2)) (sb-sys:sap-ref-8 sap 3)))))))
+(defconstant +af-inet+ 2)
+(defconstant +af-inet6+ 10)
+(defconstant +sockaddr-storage-bytes+ 128)
+(defconstant +inet6-addrstrlen+ 46)
 
-(define-sockaddr-reader peer-address "getpeername")
-(define-sockaddr-reader local-address "getsockname")
+(defun socket-address (fd side)
+  "The address, as text, and the port of one end of the connection FD: SIDE
+is :PEER (getpeername) or :LOCAL (getsockname).  IPv4 in dotted quads, IPv6
+in inet_ntop(3)'s RFC 5952 form (::1)."
+  (sb-alien:with-alien ((address (array (sb-alien:unsigned 8) #.+sockaddr-storage-bytes+))
+                        (length sb-alien:unsigned)
+                        (text (array sb-alien:char #.+inet6-addrstrlen+)))
+    (setf length +sockaddr-storage-bytes+)
+    (let ((sap (sb-alien:alien-sap address)))
+      (unless (zerop (ecase side
+                       (:peer (sb-alien:alien-funcall
+                               (sb-alien:extern-alien "getpeername" (function sb-alien:int sb-alien:int
+                                                                              sb-sys:system-area-pointer
+                                                                              (* sb-alien:unsigned)))
+                               fd sap (sb-alien:addr length)))
+                       (:local (sb-alien:alien-funcall
+                                (sb-alien:extern-alien "getsockname" (function sb-alien:int sb-alien:int
+                                                                               sb-sys:system-area-pointer
+                                                                               (* sb-alien:unsigned)))
+                                fd sap (sb-alien:addr length)))))
+        (foreign-error (if (eq side :peer) "getpeername" "getsockname")))
+      ;; sockaddr_in and sockaddr_in6 alike: family (2 octets, host order),
+      ;; port (network order); the address at 4 (IPv4) or 8 (IPv6).
+      (let ((family (sb-sys:sap-ref-16 sap 0))
+            (port (+ (* 256 (sb-sys:sap-ref-8 sap 2)) (sb-sys:sap-ref-8 sap 3))))
+        (unless (member family (list +af-inet+ +af-inet6+))
+          (error "The ~(~A~) address of descriptor ~D is of family ~D, neither IPv4 nor IPv6."
+                 side fd family))
+        (when (sb-alien:null-alien
+               (sb-alien:alien-funcall
+                (sb-alien:extern-alien "inet_ntop" (function (* sb-alien:char) sb-alien:int
+                                                             sb-sys:system-area-pointer
+                                                             (* sb-alien:char) sb-alien:unsigned))
+                family (sb-sys:sap+ sap (if (= family +af-inet+) 4 8))
+                (sb-alien:cast text (* sb-alien:char)) +inet6-addrstrlen+))
+          (foreign-error "inet_ntop"))
+        (values (let ((text-sap (sb-alien:alien-sap text)))
+                  (coerce (loop for index from 0
+                                for octet = (sb-sys:sap-ref-8 text-sap index)
+                                until (zerop octet)
+                                collect (code-char octet))
+                          'string))
+                port)))))
 
 (defun connection-addresses-of (fd)
-  "The peer's address and port, then ours, of the IPv4 connection FD, as
+  "The peer's address and port, then ours, of the connection FD, as
 Hunchentoot's request holds them."
-  (multiple-value-call #'list (peer-address fd) (local-address fd)))
+  (multiple-value-call #'list (socket-address fd :peer) (socket-address fd :local)))
 
 (defun make-connection-fd-stream (fd timeout)
   "A binary bidirectional stream on the connection FD whose reads and writes
