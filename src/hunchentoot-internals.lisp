@@ -27,6 +27,10 @@ RECYCLING-TASKMASTER takes but does not need."
 (defun (setf acceptor-shutting-down-p) (value acceptor)
   (setf (hunchentoot::acceptor-shutdown-p acceptor) value))
 
+(defun acceptor-server-name (acceptor)
+  "What ACCEPTOR's replies say in their Server header."
+  (hunchentoot::acceptor-server-name acceptor))
+
 (defun acceptor-taskmaster (acceptor)
   "ACCEPTOR's taskmaster, which Hunchentoot does not export a reader for."
   (hunchentoot::acceptor-taskmaster acceptor))

@@ -375,3 +375,14 @@ then closed the connection."
                      (is (eql 200 status))
                      (is (equal "::1 ::1" body))))
               (usocket:socket-close socket)))))))
+
+(test limits.refusals-carry-date-and-server-headers
+  (with-readiness-server (server)
+    (with-connection (socket server)
+      (send-text socket (get-request "/test/yo" "No colon here"))
+      (multiple-value-bind (status body head) (read-response socket)
+        (declare (ignore body))
+        (is (eql 400 status))
+        (is (cl-ppcre:scan "(?im)^date: \\w{3}, \\d\\d \\w{3} \\d{4} \\d\\d:\\d\\d:\\d\\d GMT\\r$" head)
+            "a Date header: ~S" head)
+        (is (cl-ppcre:scan "(?im)^server: Hunchentoot \\S+\\r$" head) "a Server header: ~S" head)))))

@@ -1,6 +1,6 @@
 ;;;; STOP with everything under way at once: TLS handshakes that never
-;;;; finish, TLS and plain requests whose handlers sleep, kept-alive and
-;;;; half-sent connections parked.  Every STOP must return within
+;;;; finish, TLS and plain requests whose handlers are running, kept-alive
+;;;; and half-sent connections parked.  Every STOP must return within
 ;;;; :STOP-TIMEOUT, leave no thread and free the port.
 
 (in-package #:hunchentoot-recycling-taskmaster-test)
@@ -15,6 +15,15 @@
   (coerce #(22 3 1 0 200 1 0 0 196 3 3) '(vector (unsigned-byte 8)))
   "A TLS record header announcing a 200-octet ClientHello, and its first
 octets: the server's handshake waits for the rest.")
+
+(defvar *held-requests-released-p* nil
+  "Set to let the handlers of /test/held return.")
+
+(ht:define-easy-handler (test-held :uri "/test/held") ()
+  ;; Held until released, so that every request is in flight at once however
+  ;; slowly its client connects; given up after 10 s.
+  (loop repeat 1000 until *held-requests-released-p* do (sleep 0.01))
+  "released")
 
 (defun port-free-p (port)
   "True when nothing listens on 127.0.0.1:PORT."
@@ -64,8 +73,9 @@ close and the client threads to join."
           (write-sequence *half-client-hello* (usocket:socket-stream socket))
           (finish-output (usocket:socket-stream socket))
           (push socket sockets))))
+    (setf *held-requests-released-p* nil)
     (dotimes (i 3)
-      (push (in-thread (lambda () (http-get server "/test/sleep?ms=300" :verify nil))) clients))
+      (push (in-thread (lambda () (http-get server "/test/held" :verify nil))) clients))
     (is (wait-until (lambda () (= 3 (stats server :in-request-threads))))
         "three requests in flight before STOP")
     (values sockets clients)))
@@ -78,6 +88,7 @@ close and the client threads to join."
       (multiple-value-bind (sockets clients) (load-for-stop server ssl-p)
         (unwind-protect
              (let ((start (get-internal-real-time)))
+               (setf *held-requests-released-p* t)
                (ht:stop server :soft soft-p)
                (let ((seconds (/ (- (get-internal-real-time) start) internal-time-units-per-second)))
                  (is (< seconds 5) "~:[hard~;soft~] STOP of the ~:[plain~;SSL~] acceptor took ~,2F s"
@@ -88,6 +99,7 @@ close and the client threads to join."
                (when soft-p
                  (is (every (lambda (join) (eql 200 (first (funcall join)))) clients)
                      "a soft STOP lets requests in flight finish")))
+          (setf *held-requests-released-p* t)
           (mapc #'funcall clients)
           (dolist (socket sockets)
             (ignore-errors (usocket:socket-close socket)))

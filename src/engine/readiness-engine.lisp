@@ -252,7 +252,8 @@ pipelined requests."
     (setf (engine-readiness-set engine)
           (make-readiness-set (acceptor-listen-socket acceptor) (engine-counters engine)
                               :header-timeout (acceptor-header-timeout acceptor)
-                              :keep-alive-timeout (acceptor-keep-alive-timeout acceptor)))))
+                              :keep-alive-timeout (acceptor-keep-alive-timeout acceptor)
+                              :server-name (acceptor-server-name acceptor)))))
 
 (defmethod engine-run-worker ((engine readiness-engine) worker)
   (let* ((set (engine-readiness-set engine))

@@ -56,16 +56,6 @@
   (print-unreadable-object (connection stream :type t :identity t)
     (format stream "fd ~D ~S" (connection-fd connection) (connection-state connection))))
 
-(defparameter *limit-statistics*
-  '((400 . :bad-request-replies)
-    (408 . :header-timeout-replies)
-    (411 . :length-required-replies)
-    (414 . :uri-too-long-replies)
-    (431 . :header-too-large-replies)
-    (501 . :not-implemented-replies)
-    (505 . :version-not-supported-replies))
-  "Status code of a refused head -> its counter's key in TASKMASTER-STATISTICS.")
-
 (defstruct (connection-counters (:constructor make-connection-counters ()))
   "What the readiness sets of one taskmaster have counted, ever.  The
 taskmaster keeps it from run to run; each run's set counts into it."
@@ -73,8 +63,8 @@ taskmaster keeps it from run to run; each run's set counts into it."
   (accepted 0 :type word)
   ;; Parked keep-alive connections closed at the keep-alive timeout.
   (keep-alive-timeouts 0 :type word)
-  ;; Per status of *LIMIT-STATISTICS*, the heads refused with it.
-  (refused-heads (make-array (length *limit-statistics*) :element-type 'word :initial-element 0)
+  ;; Per status of *HEAD-REFUSALS*, the heads refused with it.
+  (refused-heads (make-array (length *head-refusals*) :element-type 'word :initial-element 0)
    :type (simple-array word (*)) :read-only t))
 
 (defstruct (readiness-set (:constructor %make-readiness-set))
@@ -100,6 +90,8 @@ taskmaster keeps it from run to run; each run's set counts into it."
   (header-timeout 0 :type fixnum :read-only t)
   ;; Internal time units a kept-alive connection may wait for its next request.
   (keep-alive-timeout 0 :type fixnum :read-only t)
+  ;; What the Server header of a refusal says: the acceptor's server name.
+  (server-name "" :type string :read-only t)
   ;; Connections in the table, held by workers or parked.
   (connection-count 0 :type fixnum)
   ;; Connections parked now.
@@ -107,7 +99,7 @@ taskmaster keeps it from run to run; each run's set counts into it."
   ;; The taskmaster's CONNECTION-COUNTERS, which this set counts into.
   (counters nil :type connection-counters :read-only t))
 
-(defun make-readiness-set (listen-socket counters &key header-timeout keep-alive-timeout)
+(defun make-readiness-set (listen-socket counters &key header-timeout keep-alive-timeout server-name)
   "A readiness set watching LISTEN-SOCKET (made non-blocking: a worker woken
 for it may find the connection already taken), counting into COUNTERS.  The
 timeouts are in seconds."
@@ -116,7 +108,8 @@ timeouts are in seconds."
                                    :listen-fd (socket-file-descriptor listen-socket)
                                    :counters counters
                                    :header-timeout (seconds->internal-units header-timeout)
-                                   :keep-alive-timeout (seconds->internal-units keep-alive-timeout))))
+                                   :keep-alive-timeout (seconds->internal-units keep-alive-timeout)
+                                   :server-name server-name)))
     (setf (readiness-set-spare-fd set) (open-spare-fd))
     (set-non-blocking listen-socket)
     (epoll-watch epoll-fd (readiness-set-listen-fd set) +listen-token+ :one-shot t)
@@ -160,7 +153,7 @@ worker whose accept(2) failed, before it lets another accept."
   (atomic-increment (connection-counters-accepted (readiness-set-counters set))))
 
 (defun count-refused-head (set status)
-  (let ((index (position status *limit-statistics* :key #'car)))
+  (let ((index (position status *head-refusals* :key #'first)))
     (when index
       (atomic-increment (aref (connection-counters-refused-heads (readiness-set-counters set)) index)))))
 
@@ -264,7 +257,7 @@ client is gone already."
 The reply and FIN go out before the close, so that the client reads the
 reply before the reset that unread input provokes."
   (count-refused-head set status)
-  (let ((reply (head-error-reply status))
+  (let ((reply (head-error-reply status (readiness-set-server-name set)))
         (stream (connection-stream connection)))
     ;; The sweeper calls this too and must not wait: the reply is a few
     ;; hundred octets on a connection that has been sent nothing else (TLS
@@ -313,7 +306,7 @@ none runs) holds now, and what COUNTERS counted ever."
          :open-connections (if set (readiness-set-connection-count set) 0)
          :connections-accepted (connection-counters-accepted counters)
          :keep-alive-timeouts (connection-counters-keep-alive-timeouts counters)
-         (loop for (nil . key) in *limit-statistics*
+         (loop for (nil key) in *head-refusals*
                for count across (connection-counters-refused-heads counters)
                collect key
                collect count)))

@@ -319,31 +319,33 @@ than chunked, 505 for another HTTP version."
 
 ;;; The replies a refused head gets.
 
-(defun make-error-reply (status reason explanation)
-  (let* ((body (format nil "<html><head><title>~D ~A</title></head><body><h1>~A</h1><p>~A</p></body></html>"
-                       status reason reason explanation))
-         (crlf (coerce '(#\Return #\Linefeed) 'string)))
-    (map 'octets #'char-code
-         (format nil "HTTP/1.1 ~D ~A~AContent-Type: text/html; charset=iso-8859-1~A~
-                      Content-Length: ~D~AConnection: close~A~A~A"
-                 status reason crlf crlf (length body) crlf crlf crlf body))))
+(defparameter *head-refusals*
+  '((400 :bad-request-replies "Bad Request" "The request head could not be interpreted.")
+    (408 :header-timeout-replies "Request Timeout" "The request head did not arrive in time.")
+    (411 :length-required-replies "Length Required"
+     "This server takes a request body only with a Content-Length.")
+    (414 :uri-too-long-replies "URI Too Long" "The request line is longer than 8 KiB.")
+    (431 :header-too-large-replies "Request Header Fields Too Large"
+     "The request has too many header lines, or they are too long.")
+    (501 :not-implemented-replies "Not Implemented" "The request's transfer coding is not implemented here.")
+    (505 :version-not-supported-replies "HTTP Version Not Supported" "Use HTTP/1.0 or HTTP/1.1."))
+  "Every status a head can be refused with: its counter's key in
+TASKMASTER-STATISTICS, its reason phrase, and the sentence its page says.")
 
-(defparameter *head-error-replies*
-  (list (cons 400 (make-error-reply 400 "Bad Request" "The request head could not be interpreted."))
-        (cons 408 (make-error-reply 408 "Request Timeout" "The request head did not arrive in time."))
-        (cons 411 (make-error-reply 411 "Length Required"
-                                    "This server takes a request body only with a Content-Length."))
-        (cons 414 (make-error-reply 414 "URI Too Long" "The request line is longer than 8 KiB."))
-        (cons 431 (make-error-reply 431 "Request Header Fields Too Large"
-                                    "The request has too many header lines, or they are too long."))
-        (cons 501 (make-error-reply 501 "Not Implemented"
-                                    "The request's transfer coding is not implemented here."))
-        (cons 505 (make-error-reply 505 "HTTP Version Not Supported" "Use HTTP/1.0 or HTTP/1.1.")))
-  "Status code -> the whole reply, status line to body, sent to a connection
-whose head is refused before it is closed.")
-
-(defun head-error-reply (status)
-  (cdr (assoc status *head-error-replies*)))
+(defun head-error-reply (status server-name)
+  "The whole reply, status line to body, sent to a connection whose head is
+refused with STATUS before it is closed: with Date and Server (SERVER-NAME)
+headers, as Hunchentoot's replies have."
+  (destructuring-bind (statistic reason explanation) (rest (assoc status *head-refusals*))
+    (declare (ignore statistic))
+    (let ((body (format nil "<html><head><title>~D ~A</title></head><body><h1>~A</h1><p>~A</p></body></html>"
+                        status reason reason explanation))
+          (crlf (coerce '(#\Return #\Linefeed) 'string)))
+      (map 'octets (lambda (char) (min 255 (char-code char)))
+           (format nil "HTTP/1.1 ~D ~A~ADate: ~A~AServer: ~A~AContent-Type: text/html; charset=iso-8859-1~A~
+                        Content-Length: ~D~AConnection: close~A~A~A"
+                   status reason crlf (hunchentoot:rfc-1123-date) crlf server-name crlf crlf
+                   (length body) crlf crlf crlf body)))))
 
 (defparameter *continue-reply*
   (map 'octets #'char-code (format nil "HTTP/1.1 100 Continue~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed))
