@@ -57,8 +57,8 @@
     (format stream "fd ~D ~S" (connection-fd connection) (connection-state connection))))
 
 (defstruct (connection-counters (:constructor make-connection-counters ()))
-  "What the readiness sets of one taskmaster have counted, ever.  The
-taskmaster keeps it from run to run; each run's set counts into it."
+  "What the readiness sets of one engine have counted, ever.  The engine
+keeps it from run to run; each run's set counts into it."
   ;; Connections taken from the listening socket.
   (accepted 0 :type word)
   ;; Parked keep-alive connections closed at the keep-alive timeout.
@@ -96,7 +96,7 @@ taskmaster keeps it from run to run; each run's set counts into it."
   (connection-count 0 :type fixnum)
   ;; Connections parked now.
   (parked-count 0 :type word)
-  ;; The taskmaster's CONNECTION-COUNTERS, which this set counts into.
+  ;; The engine's CONNECTION-COUNTERS, which this set counts into.
   (counters nil :type connection-counters :read-only t))
 
 (defun make-readiness-set (listen-socket counters &key header-timeout keep-alive-timeout server-name)
