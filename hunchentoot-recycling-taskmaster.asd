@@ -6,8 +6,8 @@ epoll readiness set of the listening socket and every connection waiting for
 bytes, with acceptors that use it by default."
   :license "BSD-2-Clause"
   :version "0.1.0"
-  :depends-on ("hunchentoot" "usocket" "bordeaux-threads" "chunga" "cl-ppcre"
-               "flexi-streams" (:feature :sbcl "sb-bsd-sockets"))
+  :depends-on ("hunchentoot" "usocket" "bordeaux-threads" "chunga" "trivial-gray-streams"
+               "cl-ppcre" "flexi-streams" (:feature :sbcl "sb-bsd-sockets"))
   :pathname "src/"
   :serial t
   ;; In dependency order: each file uses only what the files before it define.
@@ -15,6 +15,7 @@ bytes, with acceptors that use it by default."
                (:module "sys" :serial t :components ((:file "sbcl-threads")
                                            (:file "sbcl-sockets")))
                (:file "hunchentoot-internals")
+               (:file "chunga-internals")
                (:file "conditions")
                (:file "acceptor")
                (:file "engine/protocol")
@@ -24,10 +25,13 @@ bytes, with acceptors that use it by default."
                                             (:file "lifecycle")
                                             (:file "statistics")))
                (:module "engine" :serial t :components ((:file "request-head")
+                                              (:file "chunked-body")
                                               (:file "readiness-set")
                                               (:file "arrived-octets")
                                               (:file "request-cycle")
-                                              (:file "readiness-engine"))))
+                                              (:file "readiness-engine")
+                                              (:file "saturated-pool")
+                                              (:file "readiness-protocol"))))
   :in-order-to ((test-op (test-op "hunchentoot-recycling-taskmaster/test"))))
 
 (defsystem "hunchentoot-recycling-taskmaster/test"
@@ -45,6 +49,8 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (:file "overload")
                (:file "request-head")
                (:file "readiness-set")
+               (:file "saturation")
+               (:file "request-bodies")
                (:file "garbage-input")
                (:file "extension-points")
                (:file "stop")

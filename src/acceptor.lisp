@@ -15,6 +15,10 @@ answers 408."))
 (defgeneric acceptor-keep-alive-timeout (acceptor)
   (:documentation "Seconds ACCEPTOR keeps an idle kept-alive connection open."))
 
+(defgeneric acceptor-queue-timeout (acceptor)
+  (:documentation "Seconds a complete request may wait for a free worker of
+ACCEPTOR before it is answered 503 with Retry-After."))
+
 (defgeneric acceptor-max-header-bytes (acceptor)
   (:documentation "The largest header block ACCEPTOR answers; a larger one
 gets 431."))
@@ -34,6 +38,12 @@ first byte; then the client gets 408 and the connection is closed.")
     :initarg :keep-alive-timeout :reader acceptor-keep-alive-timeout
     :documentation "Seconds a kept-alive connection may wait for its next
 request before it is closed.")
+   (queue-timeout
+    :initarg :queue-timeout :reader acceptor-queue-timeout
+    :documentation "Seconds a request whose head has arrived may wait for a
+free worker, when every worker the pool may have is busy; then the client
+gets 503 with Retry-After (these seconds, rounded up) and the connection
+is closed.  The header timeout ends when the head is complete.")
    (max-header-bytes
     :initarg :max-header-bytes :reader acceptor-max-header-bytes
     :documentation "The largest header block (the lines after the request
@@ -44,6 +54,7 @@ more than 100 header lines 431."))
    :connection-engine :readiness-set
    :header-timeout 10
    :keep-alive-timeout 5
+   :queue-timeout 10
    :max-header-bytes 16384)
   (:documentation "HUNCHENTOOT:ACCEPTOR served by a RECYCLING-TASKMASTER:
 pooled worker threads share the listening socket and the connections that
@@ -51,7 +62,7 @@ wait for requests.  Give :TASKMASTER (MAKE-INSTANCE 'RECYCLING-TASKMASTER
 ...) to size the pool.  HUNCHENTOOT:ACCEPTOR-READ-TIMEOUT still bounds each
 read of a request body and a TLS handshake, HUNCHENTOOT:ACCEPTOR-WRITE-TIMEOUT
 each write of a reply; HEADER-TIMEOUT and KEEP-ALIVE-TIMEOUT bound the waits
-between requests.  Each time a worker takes a connection up, it serves the
+between requests, QUEUE-TIMEOUT the wait of a request for a free worker.  Each time a worker takes a connection up, it serves the
 requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
 :AROUND methods of mixins run around them."))
 
@@ -61,7 +72,8 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
            :initarg :connection-engine :value (acceptor-connection-engine acceptor)
            :reason "must be :READINESS-SET (the blocking engine was retired)"))
   (loop for (initarg seconds) in `((:header-timeout ,(acceptor-header-timeout acceptor))
-                                   (:keep-alive-timeout ,(acceptor-keep-alive-timeout acceptor)))
+                                   (:keep-alive-timeout ,(acceptor-keep-alive-timeout acceptor))
+                                   (:queue-timeout ,(acceptor-queue-timeout acceptor)))
         unless (and (realp seconds) (plusp seconds))
           do (error 'invalid-acceptor-configuration
                     :initarg initarg :value seconds

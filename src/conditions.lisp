@@ -69,3 +69,16 @@ workers still alive when the taskmaster is started again.  Signalled with a
 restart named ABANDON-ACCEPTOR that calls that function and then returns from
 the HUNCHENTOOT:START or HUNCHENTOOT:STOP that found the fault, leaving the
 acceptor stopped."))
+
+(define-condition chunked-body-malformed (chunga:chunga-error)
+  ((reason :initarg :reason :reader malformed-body-reason
+           :documentation "What is wrong with the body, as a phrase."))
+  (:report (lambda (condition stream)
+             (format stream "The chunked request body is malformed: ~A."
+                     (malformed-body-reason condition))))
+  (:documentation "Signalled while a request body sent with Transfer-Encoding:
+chunked is read, when it breaks RFC 9112's chunked coding (a chunk-size
+line without a size, a bare LF, chunk data not followed by CRLF) or a limit
+(a chunk size of more than 15 hexadecimal digits, a chunk-size line over
+4 KiB, a trailer section over 16 KiB).  A subtype of CHUNGA:CHUNGA-ERROR and
+so of STREAM-ERROR.  The connection is closed after the reply."))

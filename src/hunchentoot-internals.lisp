@@ -67,3 +67,12 @@ START-OUTPUT clears it when the reply keeps the connection alive."
   "Call FUNCTION with ACCEPTOR's count of requests in progress raised, as
 Hunchentoot's own connection loop does."
   (hunchentoot::do-with-acceptor-request-count-incremented acceptor function))
+
+(defun content-type-charset (content-type)
+  "The charset parameter of the Content-Type header value CONTENT-TYPE when
+its type is text, as Hunchentoot reads it, else NIL."
+  (nth-value 2 (hunchentoot::parse-content-type content-type)))
+
+(defun (setf request-headers-in) (headers request)
+  "Replace what HUNCHENTOOT:HEADERS-IN of REQUEST returns."
+  (setf (slot-value request 'hunchentoot::headers-in) headers))

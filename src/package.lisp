@@ -14,6 +14,7 @@
    #:acceptor-connection-engine
    #:acceptor-header-timeout
    #:acceptor-keep-alive-timeout
+   #:acceptor-queue-timeout
    #:acceptor-max-header-bytes
 
    ;; The taskmaster and its configuration.
@@ -32,4 +33,5 @@
    #:invalid-configuration
    #:invalid-taskmaster-configuration
    #:invalid-acceptor-configuration
-   #:acceptor-not-parallel-error))
+   #:acceptor-not-parallel-error
+   #:chunked-body-malformed))

@@ -274,7 +274,8 @@ that joins the client (see IN-THREAD)."
                        :bad-request-replies :header-timeout-replies :length-required-replies
                        :not-implemented-replies
                        :uri-too-long-replies
-                       :header-too-large-replies :version-not-supported-replies))
+                       :header-too-large-replies :version-not-supported-replies
+                       :queue-timeout-replies))
           (is (integerp (getf statistics key)) "~S is missing" key))
         (is (= 5 (getf statistics :requests-served)))
         (is (= 5 (getf statistics :connections-accepted)) "drakma closes each connection")

@@ -54,10 +54,8 @@ Third value: true when the content stream is chunked."
                         (flex:make-in-memory-input-stream buffer :start body-start :end end)))
          (content (if buffered (make-concatenated-stream buffered stream) stream)))
     (if (assoc :transfer-encoding headers)
-        (let ((chunked (chunga:make-chunked-stream
-                        (if buffered (make-two-way-stream content stream) stream))))
-          (setf (chunga:chunked-stream-input-chunking-p chunked) t)
-          (values chunked buffered t))
+        (values (make-chunked-body-stream (if buffered (make-two-way-stream content stream) stream))
+                buffered t)
         (values content buffered nil))))
 
 (defun unread-octets (in-memory-stream)

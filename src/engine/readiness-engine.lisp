@@ -19,7 +19,10 @@ after it paused.")
         :documentation "The READINESS-SET of the current run; NIL while the
 acceptor is stopped.")
    (counters :initform (make-connection-counters) :reader engine-counters
-             :documentation "What the readiness sets of every run have counted."))
+             :documentation "What the readiness sets of every run have counted.")
+   (sweep-buffer :initform nil :accessor engine-sweep-buffer
+                 :documentation "Where the thread-making thread peeks at what has
+arrived on parked connections while no worker is free (saturated-pool.lisp)."))
   (:documentation "The :READINESS-SET connection engine: one epoll set holding
 the listening socket and every connection waiting for bytes, shared by
 every worker."))
@@ -154,15 +157,26 @@ octets."
                  (write-sequence *continue-reply* stream)
                  (force-output stream))
                (unwind-protect
-                    (setf outcome (answer-request acceptor head (connection-addresses connection)
-                                                  stream content-stream chunked-p))
+                    (handler-bind ((error
+                                     (lambda (condition)
+                                       (declare (ignore condition))
+                                       ;; Escaping Hunchentoot, a malformed
+                                       ;; chunked body comes wrapped in USOCKET
+                                       ;; conditions: the stream tells.
+                                       (when (malformed-body-unanswered-p content-stream chunked-p)
+                                         (return-from answer-buffered-request (values :refuse 400))))))
+                      (setf outcome (answer-request acceptor head (connection-addresses connection)
+                                                    stream content-stream chunked-p)))
                  ;; Also when the request failed: a soft STOP waits for it.
                  (note-request-finished taskmaster worker :answered (and outcome t)))
                (ecase outcome
                  (:detached :let-go)
                  (:close :close)
                  (:keep-alive
-                  (let ((next-end (next-request-octets connection buffer body-p buffered head-end end)))
+                  ;; A chunked body read only in part leaves no way to find
+                  ;; where the next request starts.
+                  (let ((next-end (and (or (not chunked-p) (body-finished-p content-stream))
+                                       (next-request-octets connection buffer body-p buffered head-end end))))
                     (if next-end (values :keep-alive next-end) :close))))))))))
 
 (defun answer-arrived-requests (engine worker connection)
@@ -199,6 +213,18 @@ moves them there."
                       (incf end count)))))
           (t (return (values :refuse status))))))))
 
+(defun park-until (engine set connection deadline)
+  "Park CONNECTION, which the caller holds, until bytes arrive or DEADLINE
+passes; close it instead when the pool is stopping or the descriptor cannot
+be armed."
+  (cond ((stopping-p engine) (close-connection set connection))
+        ((park-connection set connection deadline)
+         ;; HUNCHENTOOT:STOP sets its flag, then closes what is parked.
+         (memory-barrier)
+         (when (and (stopping-p engine) (take-parked-connection set connection))
+           (close-connection set connection)))
+        (t (close-connection set connection))))
+
 (defun park-or-end (engine set connection buffer end)
   "Park CONNECTION with the END octets of BUFFER (the start of a head, or
 none) until more arrive; end it instead if its deadline has passed or the
@@ -214,13 +240,7 @@ pool is stopping."
           (t
            (when (plusp end)
              (setf (connection-pending connection) (subseq buffer 0 end)))
-           (if (park-connection set connection deadline)
-               (progn
-                 ;; HUNCHENTOOT:STOP sets its flag, then closes what is parked.
-                 (memory-barrier)
-                 (when (and (stopping-p engine) (take-parked-connection set connection))
-                   (close-connection set connection)))
-               (close-connection set connection))))))
+           (park-until engine set connection deadline)))))
 
 (defmethod hunchentoot:process-connection ((acceptor parallel-acceptor) (socket connection-socket))
   "Serve the requests that have arrived on the connection SOCKET stands for,
@@ -238,64 +258,4 @@ Called each time a worker takes the connection up, not once for its life:
             (:park (park-or-end engine set connection (worker-buffer worker) detail))
             (:close (close-connection set connection))
             (:let-go (remove-connection set connection))
-            (:refuse (refuse-connection-head set connection detail))))))))
-
-;;; The protocol.
-
-(defun head-buffer-bytes (acceptor)
-  "A worker's buffer takes the largest head allowed, with room to spare for
-pipelined requests."
-  (max 32768 (+ +max-request-line-bytes+ (acceptor-max-header-bytes acceptor) 1024)))
-
-(defmethod engine-start ((engine readiness-engine))
-  (let ((acceptor (engine-acceptor engine)))
-    (setf (engine-readiness-set engine)
-          (make-readiness-set (acceptor-listen-socket acceptor) (engine-counters engine)
-                              :header-timeout (acceptor-header-timeout acceptor)
-                              :keep-alive-timeout (acceptor-keep-alive-timeout acceptor)
-                              :server-name (acceptor-server-name acceptor)))))
-
-(defmethod engine-run-worker ((engine readiness-engine) worker)
-  (let* ((set (engine-readiness-set engine))
-         (hunchentoot:*acceptor* (engine-acceptor engine))
-         (*keep-alive-header-seconds* (floor (acceptor-keep-alive-timeout hunchentoot:*acceptor*))))
-    (setf (worker-buffer worker)
-          (make-array (head-buffer-bytes hunchentoot:*acceptor*) :element-type '(unsigned-byte 8)))
-    (loop for token = (next-ready-token engine worker set)
-          while token
-          do (let ((connection (if (= token +listen-token+)
-                                   (accept-new-connection engine set)
-                                   (take-ready-connection set token))))
-               (when connection
-                 (serve-connection engine worker set connection))))))
-
-(defmethod engine-wake-workers ((engine readiness-engine))
-  (wake-all-waiters (engine-readiness-set engine)))
-
-(defmethod engine-close-idle-connections ((engine readiness-engine))
-  (close-parked-connections (engine-readiness-set engine)))
-
-(defmethod engine-cut-connection ((engine readiness-engine) worker)
-  (call-with-held-connection worker (lambda (connection) (shut-down-fd (connection-fd connection)))))
-
-(defmethod engine-maintenance-interval ((engine readiness-engine))
-  +sweep-interval-seconds+)
-
-(defmethod engine-maintain ((engine readiness-engine))
-  (let ((set (engine-readiness-set engine)))
-    (close-expired-connections set)
-    (resume-accepting set)))
-
-(defmethod engine-statistics ((engine readiness-engine))
-  (readiness-statistics (engine-readiness-set engine) (engine-counters engine)))
-
-(defmethod engine-finish ((engine readiness-engine))
-  (let ((set (shiftf (engine-readiness-set engine) nil)))
-    (close-parked-connections set)
-    (destroy-readiness-set set)))
-
-(defmethod engine-abandon ((engine readiness-engine))
-  (let ((set (shiftf (engine-readiness-set engine) nil)))
-    (when set
-      (close-every-connection set)
-      (destroy-readiness-set set))))
+            (:refuse (refuse-and-close set connection detail))))))))

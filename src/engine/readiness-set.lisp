@@ -39,8 +39,9 @@
   (armed-p nil)
   ;; Internal real time at which a parked connection is ended.
   (deadline 0 :type fixnum)
-  ;; 408 when DEADLINE is the header timeout, NIL when it is the keep-alive
-  ;; timeout (the connection is then closed without a word).
+  ;; What the client is answered at DEADLINE: 408 when it is the header
+  ;; timeout, 503 when it is the queue timeout of a complete request, NIL
+  ;; when it is the keep-alive timeout (closed without a word).
   (timeout-status nil)
   ;; The peer's and our address and port, as Hunchentoot's request holds
   ;; them: read once per connection, not once per request.
@@ -90,8 +91,15 @@ keeps it from run to run; each run's set counts into it."
   (header-timeout 0 :type fixnum :read-only t)
   ;; Internal time units a kept-alive connection may wait for its next request.
   (keep-alive-timeout 0 :type fixnum :read-only t)
+  ;; Internal time units a complete request may wait for a free worker.
+  (queue-timeout 0 :type fixnum :read-only t)
+  ;; What the Retry-After header of a 503 says.
+  (retry-after-seconds 0 :type fixnum :read-only t)
   ;; What the Server header of a refusal says: the acceptor's server name.
   (server-name "" :type string :read-only t)
+  ;; Called with the connection and the status of every refusal, after its
+  ;; reply is sent: the acceptor's access log.
+  (refusal-logger (constantly nil) :type function :read-only t)
   ;; Connections in the table, held by workers or parked.
   (connection-count 0 :type fixnum)
   ;; Connections parked now.
@@ -99,7 +107,8 @@ keeps it from run to run; each run's set counts into it."
   ;; The engine's CONNECTION-COUNTERS, which this set counts into.
   (counters nil :type connection-counters :read-only t))
 
-(defun make-readiness-set (listen-socket counters &key header-timeout keep-alive-timeout server-name)
+(defun make-readiness-set (listen-socket counters
+                           &key header-timeout keep-alive-timeout queue-timeout server-name refusal-logger)
   "A readiness set watching LISTEN-SOCKET (made non-blocking: a worker woken
 for it may find the connection already taken), counting into COUNTERS.  The
 timeouts are in seconds."
@@ -109,7 +118,10 @@ timeouts are in seconds."
                                    :counters counters
                                    :header-timeout (seconds->internal-units header-timeout)
                                    :keep-alive-timeout (seconds->internal-units keep-alive-timeout)
-                                   :server-name server-name)))
+                                   :queue-timeout (seconds->internal-units queue-timeout)
+                                   :retry-after-seconds (ceiling queue-timeout)
+                                   :server-name server-name
+                                   :refusal-logger refusal-logger)))
     (setf (readiness-set-spare-fd set) (open-spare-fd))
     (set-non-blocking listen-socket)
     (epoll-watch epoll-fd (readiness-set-listen-fd set) +listen-token+ :one-shot t)
@@ -252,39 +264,42 @@ client is gone already."
       (ignore-errors (close stream :abort t)))
     (ignore-errors (close fd-stream :abort t))))
 
-(defun refuse-connection-head (set connection status)
-  "Answer CONNECTION's head with the error reply for STATUS and close it.
+(defun refuse-and-close (set connection status)
+  "Answer CONNECTION's request with the error reply for STATUS and close it.
 The reply and FIN go out before the close, so that the client reads the
 reply before the reset that unread input provokes."
   (count-refused-head set status)
-  (let ((reply (head-error-reply status (readiness-set-server-name set)))
-        (stream (connection-stream connection)))
-    ;; The sweeper calls this too and must not wait: the reply is a few
-    ;; hundred octets on a connection that has been sent nothing else (TLS
-    ;; aside, whose handshake the client has read), so it fits the socket.
+  (let ((reply (head-error-reply status (readiness-set-server-name set)
+                                 (readiness-set-retry-after-seconds set)))
+        (stream (connection-stream connection))
+        (fd (connection-fd connection)))
+    ;; The sweeper calls this too and must not wait.  Plain text that does
+    ;; not fit the socket is dropped; TLS is written only while the socket
+    ;; has room (a client that sends and never reads may have filled it).
     (ignore-errors
-     (if (plain-connection-p connection)
-         (send-without-waiting (connection-fd connection) reply)
-         (progn (write-sequence reply stream) (finish-output stream))))
-    (shut-down-fd-output (connection-fd connection))
+     (cond ((plain-connection-p connection) (send-without-waiting fd reply))
+           ((fd-writable-p fd) (write-sequence reply stream) (finish-output stream))))
+    (shut-down-fd-output fd)
     (let ((scratch (make-array 4096 :element-type '(unsigned-byte 8))))
       (loop repeat 16
-            for count = (receive-available (connection-fd connection) scratch 0 4096)
+            for count = (receive-available fd scratch 0 4096)
             while (and (integerp count) (plusp count)))))
-  (close-connection set connection))
+  (close-connection set connection)
+  (funcall (readiness-set-refusal-logger set) connection status))
 
 (defun end-parked-connection (set connection)
   "CONNECTION, held by the caller, has reached its deadline: answer it its
 TIMEOUT-STATUS, or close it without a word."
   (let ((status (connection-timeout-status connection)))
     (if status
-        (refuse-connection-head set connection status)
+        (refuse-and-close set connection status)
         (progn (atomic-increment (connection-counters-keep-alive-timeouts (readiness-set-counters set)))
                (close-connection set connection)))))
 
 (defun close-expired-connections (set)
   "End every parked connection whose deadline has passed: 408 for a head
-that did not arrive in time, a plain close for an idle keep-alive one."
+that did not arrive in time, 503 for a complete request that found no free
+worker in time, a plain close for an idle keep-alive connection."
   (let ((now (get-internal-real-time)))
     (map-parked-connections
      set (lambda (connection)

@@ -48,6 +48,41 @@ or :LOCAL, of SOCKET's connection."
 
 ;;; One request.
 
+(defun headers-for-request-initializer (headers)
+  "HEADERS as Hunchentoot's request initializer may see them without
+interning a keyword from a client's string: it makes a keyword of a text/*
+Content-Type's charset to look its external format up.  A charset that
+names no keyword yet names no external format either, and the initializer
+would ignore it with a warning; here it is left out, Content-Type with it,
+with the same warning, and the request is decoded as UTF-8 as before."
+  (let* ((content-type (cdr (assoc :content-type headers)))
+         (charset (and content-type (ignore-errors (content-type-charset content-type)))))
+    (if (or (null charset) (find-symbol (string-upcase charset) :keyword))
+        headers
+        (progn (warn "Invalid character set ~S in request has been ignored." charset)
+               (remove :content-type headers :key #'car)))))
+
+(defun make-request (acceptor head addresses content-stream)
+  "The request object, of ACCEPTOR's request class, for the request whose
+REQUEST-HEAD is HEAD, on a connection with ADDRESSES (peer address and
+port, then ours), whose body is read from CONTENT-STREAM.  Its headers are
+the client's, whatever its initializer was shown."
+  (let* ((headers (request-head-headers head))
+         (initializer-headers (headers-for-request-initializer headers))
+         (request (destructuring-bind (remote-addr remote-port local-addr local-port) addresses
+                    (make-instance (hunchentoot:acceptor-request-class acceptor)
+                                   :acceptor acceptor
+                                   :local-addr local-addr :local-port local-port
+                                   :remote-addr remote-addr :remote-port remote-port
+                                   :headers-in initializer-headers
+                                   :content-stream content-stream
+                                   :method (request-head-method head)
+                                   :uri (request-head-uri head)
+                                   :server-protocol (request-head-protocol head)))))
+    (unless (eq initializer-headers headers)
+      (setf (request-headers-in request) headers))
+    request))
+
 (defvar *keep-alive-header-seconds* nil
   "In a worker, the whole seconds a kept-alive connection stays open; NIL
 elsewhere.")
@@ -82,20 +117,36 @@ owns the connection now)."
       (call-with-request-counted
        acceptor
        (lambda ()
-         (hunchentoot:process-request
-          (destructuring-bind (remote-addr remote-port local-addr local-port) addresses
-            (make-instance (hunchentoot:acceptor-request-class acceptor)
-                           :acceptor acceptor
-                           :local-addr local-addr :local-port local-port
-                           :remote-addr remote-addr :remote-port remote-port
-                           :headers-in (request-head-headers head)
-                           :content-stream content-stream
-                           :method (request-head-method head)
-                           :uri (request-head-uri head)
-                           :server-protocol (request-head-protocol head)))))))
+         (hunchentoot:process-request (make-request acceptor head addresses content-stream)))))
     (finish-output (current-connection-stream))
     (setf (current-connection-stream)
           (hunchentoot:reset-connection-stream acceptor (current-connection-stream)))
     (cond ((not (close-connection-stream-p)) :detached)
           ((finish-processing-connection-p) :close)
           (t :keep-alive))))
+
+;;; A request the engine answers by itself.
+
+(defun log-refused-request (acceptor addresses status)
+  "Write the access log entry of a request that the engine answered STATUS
+by itself (a refused head, a request that waited too long for a worker)
+on a connection with ADDRESSES, through HUNCHENTOOT:ACCEPTOR-LOG-ACCESS as
+for any reply: the request object it reads has the client's address and
+\"-\" for the method, the path and the protocol, which are not known or
+not trusted.  A failure to log is dropped, as by LOG-SAFELY."
+  (handler-case
+      (destructuring-bind (&optional remote-addr remote-port local-addr local-port) addresses
+        (let* ((hunchentoot:*acceptor* acceptor)
+               (hunchentoot:*reply* (make-instance (hunchentoot:acceptor-reply-class acceptor)))
+               (hunchentoot:*session* nil)
+               (hunchentoot:*request*
+                 (make-instance (hunchentoot:acceptor-request-class acceptor)
+                                :acceptor acceptor
+                                :local-addr local-addr :local-port local-port
+                                :remote-addr remote-addr :remote-port remote-port
+                                :headers-in '() :content-stream nil
+                                :method :- :uri "-" :server-protocol :-)))
+          (setf (hunchentoot:return-code*) status)
+          (hunchentoot:acceptor-log-access acceptor :return-code status)))
+    (error () nil)))
+

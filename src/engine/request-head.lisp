@@ -308,6 +308,12 @@ than chunked, 505 for another HTTP version."
       (check-message-framing headers protocol)
       (make-request-head (check-host headers uri protocol) method uri protocol))))
 
+(defun head-refused-status (buffer request-start request-line-end head-end)
+  "The status the complete head in BUFFER is refused with, or NIL when it
+is accepted."
+  (handler-case (progn (parse-request-head buffer request-start request-line-end head-end) nil)
+    (request-head-refused (condition) (refused-status condition))))
+
 (defun request-has-body-p (headers)
   (let ((content-length (cdr (assoc :content-length headers))))
     (or (assoc :transfer-encoding headers)
@@ -320,7 +326,7 @@ than chunked, 505 for another HTTP version."
 ;;; The replies a refused head gets.
 
 (defparameter *head-refusals*
-  '((400 :bad-request-replies "Bad Request" "The request head could not be interpreted.")
+  '((400 :bad-request-replies "Bad Request" "The request could not be interpreted.")
     (408 :header-timeout-replies "Request Timeout" "The request head did not arrive in time.")
     (411 :length-required-replies "Length Required"
      "This server takes a request body only with a Content-Length.")
@@ -328,24 +334,30 @@ than chunked, 505 for another HTTP version."
     (431 :header-too-large-replies "Request Header Fields Too Large"
      "The request has too many header lines, or they are too long.")
     (501 :not-implemented-replies "Not Implemented" "The request's transfer coding is not implemented here.")
+    (503 :queue-timeout-replies "Service Unavailable"
+     "Every worker of this server was busy for too long.  Please try again later.")
     (505 :version-not-supported-replies "HTTP Version Not Supported" "Use HTTP/1.0 or HTTP/1.1."))
-  "Every status a head can be refused with: its counter's key in
-TASKMASTER-STATISTICS, its reason phrase, and the sentence its page says.")
+  "Every status the engine answers a request with by itself, handler unasked:
+its counter's key in TASKMASTER-STATISTICS, its reason phrase, and the
+sentence its page says.")
 
-(defun head-error-reply (status server-name)
-  "The whole reply, status line to body, sent to a connection whose head is
-refused with STATUS before it is closed: with Date and Server (SERVER-NAME)
-headers, as Hunchentoot's replies have."
+(defun head-error-reply (status server-name retry-after-seconds)
+  "The whole reply, status line to body, sent to a connection whose request
+is refused with STATUS before it is closed: with Date and Server
+(SERVER-NAME) headers, as Hunchentoot's replies have, and for 503 a
+Retry-After of RETRY-AFTER-SECONDS."
   (destructuring-bind (statistic reason explanation) (rest (assoc status *head-refusals*))
     (declare (ignore statistic))
     (let ((body (format nil "<html><head><title>~D ~A</title></head><body><h1>~A</h1><p>~A</p></body></html>"
                         status reason reason explanation))
           (crlf (coerce '(#\Return #\Linefeed) 'string)))
       (map 'octets (lambda (char) (min 255 (char-code char)))
-           (format nil "HTTP/1.1 ~D ~A~ADate: ~A~AServer: ~A~AContent-Type: text/html; charset=iso-8859-1~A~
-                        Content-Length: ~D~AConnection: close~A~A~A"
-                   status reason crlf (hunchentoot:rfc-1123-date) crlf server-name crlf crlf
-                   (length body) crlf crlf crlf body)))))
+           (format nil "HTTP/1.1 ~D ~A~ADate: ~A~AServer: ~A~A~:[~2*~;Retry-After: ~D~A~]~
+                        Content-Type: text/html; charset=iso-8859-1~AContent-Length: ~D~A~
+                        Connection: close~A~A~A"
+                   status reason crlf (hunchentoot:rfc-1123-date) crlf server-name crlf
+                   (= status 503) retry-after-seconds crlf
+                   crlf (length body) crlf crlf crlf body)))))
 
 (defparameter *continue-reply*
   (map 'octets #'char-code (format nil "HTTP/1.1 100 Continue~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed))

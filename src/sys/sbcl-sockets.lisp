@@ -122,10 +122,11 @@ pending: a worker woken for it may find the connection already taken by
 another.  Accepted sockets do not inherit the flag."
   (setf (sb-bsd-sockets:non-blocking-mode (usocket:socket usocket)) t))
 
-(defun receive-available (fd buffer start end)
-  "recv(2) without waiting into BUFFER from START below END.  The count read,
-0 at end of file, :WOULD-BLOCK when nothing has arrived, or :ERROR (the peer
-reset the connection, or it is otherwise unusable)."
+(defun receive-available (fd buffer start end &key peek)
+  "recv(2) without waiting into BUFFER from START below END; with PEEK, the
+octets stay unread on the socket.  The count read, 0 at end of file,
+:WOULD-BLOCK when nothing has arrived, or :ERROR (the peer reset the
+connection, or it is otherwise unusable)."
   (declare (type (simple-array (unsigned-byte 8) (*)) buffer) (type fixnum start end))
   (sb-sys:with-pinned-objects (buffer)
     (loop
@@ -134,7 +135,7 @@ reset the connection, or it is otherwise unusable)."
                                                             sb-sys:system-area-pointer
                                                             sb-alien:unsigned-long sb-alien:int))
                     fd (sb-sys:sap+ (sb-sys:vector-sap buffer) start) (- end start)
-                    +msg-dontwait+)))
+                    (if peek (logior +msg-dontwait+ +msg-peek+) +msg-dontwait+))))
         (cond ((>= count 0) (return count))
               (t (let ((errno (sb-alien:get-errno)))
                    (cond ((= errno +eintr+))
@@ -150,6 +151,10 @@ does not take is dropped.  For short replies on a connection about to close."
      (sb-alien:extern-alien "send" (function sb-alien:long sb-alien:int sb-sys:system-area-pointer
                                              sb-alien:unsigned-long sb-alien:int))
      fd (sb-sys:vector-sap octets) (length octets) (logior +msg-dontwait+ +msg-nosignal+))))
+
+(defun fd-writable-p (fd)
+  "True when FD's socket has room for more output now."
+  (sb-unix:unix-simple-poll fd :output 0))
 
 (defun wait-until-fd-readable (fd milliseconds)
   "True when FD has input (or EOF) within MILLISECONDS."

@@ -1,0 +1,162 @@
+;;;; Decoding a chunked request body (RFC 9112 7.1) with bounded memory:
+;;;; whatever chunk size a client claims, the body passes through one
+;;;; buffer of +CHUNK-BUFFER-BYTES+; chunk-size lines and the trailer
+;;;; section are bounded like a head; and no trailer field name is interned.
+;;;; The reply to the request is written through the same stream, as
+;;;; Hunchentoot expects of a request with a chunked body.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defconstant +chunk-buffer-bytes+ 16384
+  "The octets of a chunked body read from the connection at a time.")
+
+(defconstant +max-chunk-line-bytes+ 4096
+  "The longest chunk-size line, chunk extensions included.")
+
+(defconstant +max-chunk-size-digits+ 15
+  "The most hexadecimal digits of a chunk size: sizes below 2^60.")
+
+(defconstant +max-trailer-bytes+ 16384
+  "The largest trailer section of a chunked body.")
+
+(defclass chunked-body-stream (refilled-chunked-stream)
+  ((chunk-remaining
+    :initform 0 :accessor chunk-remaining
+    :documentation "Octets of the current chunk's data not read yet.")
+   (expecting-crlf-p
+    :initform nil :accessor expecting-crlf-p
+    :documentation "True when the CRLF that ends a chunk's data comes next.")
+   (finished-p
+    :initform nil :accessor body-finished-p
+    :documentation "True once the last chunk and the trailer section have
+been read: the connection's next octets begin the next request.")
+   (failure
+    :initform nil :accessor body-failure
+    :documentation "Why the body was found malformed, or NIL.  Every read
+after that signals again: the body's end can no longer be found.")
+   (reply-started-p
+    :initform nil :accessor reply-started-p
+    :documentation "True once an octet of the reply has been written."))
+  (:documentation "The stream a chunked request body is read from and the
+reply to that request written to.  Signals CHUNKED-BODY-MALFORMED for a
+body that breaks RFC 9112's chunked coding or the limits above, and
+CHUNGA:INPUT-CHUNKING-UNEXPECTED-END-OF-FILE when the client closes before
+the body's end.  CHUNGA:CHUNKED-INPUT-STREAM-TRAILERS holds the trailer
+fields whose names are already keywords; the others are dropped, since
+interning them would let a client grow the keyword package at will."))
+
+(defun malformed-body-unanswered-p (content-stream chunked-p)
+  "True when the request body, read from CONTENT-STREAM (chunked when
+CHUNKED-P), was found malformed and no octet of the reply has been written:
+the request can still be answered 400."
+  (and chunked-p (body-failure content-stream) (not (reply-started-p content-stream))))
+
+(defun make-chunked-body-stream (stream)
+  "A CHUNKED-BODY-STREAM decoding the body from STREAM, a bidirectional
+binary stream."
+  (let ((chunked (make-instance 'chunked-body-stream :real-stream stream)))
+    (setf (chunga:chunked-stream-input-chunking-p chunked) t
+          (chunk-buffer chunked) (make-array +chunk-buffer-bytes+ :element-type '(unsigned-byte 8)))
+    chunked))
+
+(defun malformed-body (stream reason &rest arguments)
+  (error 'chunked-body-malformed
+         :stream stream
+         :reason (setf (body-failure stream) (apply #'format nil reason arguments))))
+
+(defmethod trivial-gray-streams:stream-write-byte :before ((stream chunked-body-stream) octet)
+  (declare (ignore octet))
+  (setf (reply-started-p stream) t))
+
+(defmethod trivial-gray-streams:stream-write-sequence :before ((stream chunked-body-stream) sequence start end
+                                                             &key)
+  (declare (ignore sequence start end))
+  (setf (reply-started-p stream) t))
+
+(defun read-body-octet (stream inner)
+  (or (read-byte inner nil)
+      (error 'chunga:input-chunking-unexpected-end-of-file :stream stream)))
+
+(defun read-body-line (stream inner limit what)
+  "The octets of the next line of INNER, up to its CRLF (excluded), as a
+string of Latin-1 characters; at most LIMIT octets."
+  (let ((line (make-array 64 :element-type 'character :adjustable t :fill-pointer 0)))
+    (loop for octet = (read-body-octet stream inner)
+          do (cond ((= octet +cr+)
+                    (unless (= (read-body-octet stream inner) +lf+)
+                      (malformed-body stream "~A: CR not followed by LF" what))
+                    (return line))
+                   ((= octet +lf+)
+                    (malformed-body stream "~A ends with a bare LF" what))
+                   ((>= (length line) limit)
+                    (malformed-body stream "~A longer than ~D octets" what limit))
+                   (t (vector-push-extend (code-char octet) line))))))
+
+(defun parse-chunk-size (stream line)
+  "The chunk size that LINE, a chunk-size line, starts with.  Chunk
+extensions after it are ignored, as RFC 9112 allows."
+  (let ((digits-end (or (position-if-not (lambda (char) (digit-char-p char 16)) line)
+                        (length line))))
+    (when (zerop digits-end)
+      (malformed-body stream "chunk-size line without a size"))
+    (when (> digits-end +max-chunk-size-digits+)
+      (malformed-body stream "chunk size of more than ~D hexadecimal digits" +max-chunk-size-digits+))
+    (unless (or (= digits-end (length line))
+                (find (char line digits-end) '(#\; #\Space #\Tab)))
+      (malformed-body stream "chunk size followed by ~S" (char line digits-end)))
+    (parse-integer line :end digits-end :radix 16)))
+
+(defun trailer-field (line)
+  "The (keyword . value) pair of the trailer field LINE when its name is
+already a keyword, else NIL."
+  (let ((colon (position #\: line)))
+    (when colon
+      (let ((name (find-symbol (string-upcase (subseq line 0 colon)) :keyword)))
+        (when name
+          (cons name (string-trim '(#\Space #\Tab) (subseq line (1+ colon)))))))))
+
+(defun read-trailer-section (stream inner)
+  "Read the trailer section ending a chunked body, up to its empty line; the
+fields whose names are keywords already."
+  (loop with budget = +max-trailer-bytes+
+        for line = (read-body-line stream inner budget "the trailer section")
+        until (zerop (length line))
+        do (decf budget (+ 2 (length line)))
+           (when (minusp budget)
+             (malformed-body stream "trailer section longer than ~D octets" +max-trailer-bytes+))
+        when (trailer-field line)
+          collect it))
+
+(defun end-chunked-body (stream inner)
+  "The last chunk has been read: read the trailer section and turn chunking
+off, so that STREAM reads INNER's next octets unchanged."
+  (setf (chunk-trailers stream) (read-trailer-section stream inner)
+        (chunk-buffer-index stream) 0
+        (chunk-buffer-limit stream) 0
+        (chunga:chunked-stream-input-chunking-p stream) nil
+        (body-finished-p stream) t)
+  nil)
+
+(defmethod refill-chunk-buffer ((stream chunked-body-stream))
+  (let ((inner (chunga:chunked-stream-stream stream)))
+    (when (body-failure stream)
+      (malformed-body stream "~A" (body-failure stream)))
+    (when (zerop (chunk-remaining stream))
+      (when (expecting-crlf-p stream)
+        (unless (and (= (read-body-octet stream inner) +cr+) (= (read-body-octet stream inner) +lf+))
+          (malformed-body stream "chunk data not followed by CRLF")))
+      (let ((size (parse-chunk-size stream (read-body-line stream inner +max-chunk-line-bytes+
+                                                           "a chunk-size line"))))
+        (when (zerop size)
+          (return-from refill-chunk-buffer (end-chunked-body stream inner)))
+        (setf (chunk-remaining stream) size)))
+    (let* ((buffer (chunk-buffer stream))
+           (wanted (min (chunk-remaining stream) (length buffer)))
+           (count (read-sequence buffer inner :end wanted)))
+      (when (< count wanted)
+        (error 'chunga:input-chunking-unexpected-end-of-file :stream stream))
+      (decf (chunk-remaining stream) count)
+      (setf (expecting-crlf-p stream) (zerop (chunk-remaining stream))
+            (chunk-buffer-index stream) 0
+            (chunk-buffer-limit stream) count)
+      count)))

@@ -1,0 +1,70 @@
+;;;; The readiness engine's side of the engine protocol
+;;;; (engine/protocol.lisp): what the pool asks of it.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defun head-buffer-bytes (acceptor)
+  "A worker's buffer takes the largest head allowed, with room to spare for
+pipelined requests."
+  (max 32768 (+ +max-request-line-bytes+ (acceptor-max-header-bytes acceptor) 1024)))
+
+(defmethod engine-start ((engine readiness-engine))
+  (let ((acceptor (engine-acceptor engine)))
+    (setf (engine-readiness-set engine)
+          (make-readiness-set (acceptor-listen-socket acceptor) (engine-counters engine)
+                              :header-timeout (acceptor-header-timeout acceptor)
+                              :keep-alive-timeout (acceptor-keep-alive-timeout acceptor)
+                              :queue-timeout (acceptor-queue-timeout acceptor)
+                              :server-name (acceptor-server-name acceptor)
+                              :refusal-logger (lambda (connection status)
+                                                (log-refused-request acceptor (connection-addresses connection)
+                                                                     status)))
+          (engine-sweep-buffer engine)
+          (make-array (head-buffer-bytes acceptor) :element-type '(unsigned-byte 8)))))
+
+(defmethod engine-run-worker ((engine readiness-engine) worker)
+  (let* ((set (engine-readiness-set engine))
+         (hunchentoot:*acceptor* (engine-acceptor engine))
+         (*keep-alive-header-seconds* (floor (acceptor-keep-alive-timeout hunchentoot:*acceptor*))))
+    (setf (worker-buffer worker)
+          (make-array (head-buffer-bytes hunchentoot:*acceptor*) :element-type '(unsigned-byte 8)))
+    (loop for token = (next-ready-token engine worker set)
+          while token
+          do (let ((connection (if (= token +listen-token+)
+                                   (accept-new-connection engine set)
+                                   (take-ready-connection set token))))
+               (when connection
+                 (serve-connection engine worker set connection))))))
+
+(defmethod engine-wake-workers ((engine readiness-engine))
+  (wake-all-waiters (engine-readiness-set engine)))
+
+(defmethod engine-close-idle-connections ((engine readiness-engine))
+  (close-parked-connections (engine-readiness-set engine)))
+
+(defmethod engine-cut-connection ((engine readiness-engine) worker)
+  (call-with-held-connection worker (lambda (connection) (shut-down-fd (connection-fd connection)))))
+
+(defmethod engine-maintenance-interval ((engine readiness-engine))
+  +sweep-interval-seconds+)
+
+(defmethod engine-maintain ((engine readiness-engine))
+  (let ((set (engine-readiness-set engine)))
+    ;; Before the deadlines: a head found complete is no longer late.
+    (sweep-while-no-worker-free engine set)
+    (close-expired-connections set)
+    (resume-accepting set)))
+
+(defmethod engine-statistics ((engine readiness-engine))
+  (readiness-statistics (engine-readiness-set engine) (engine-counters engine)))
+
+(defmethod engine-finish ((engine readiness-engine))
+  (let ((set (shiftf (engine-readiness-set engine) nil)))
+    (close-parked-connections set)
+    (destroy-readiness-set set)))
+
+(defmethod engine-abandon ((engine readiness-engine))
+  (let ((set (shiftf (engine-readiness-set engine) nil)))
+    (when set
+      (close-every-connection set)
+      (destroy-readiness-set set))))

@@ -1,0 +1,95 @@
+;;;; While no worker is free, a request that arrives waits -- in the
+;;;; kernel's accept queue or in the readiness set -- and nobody reads it.
+;;;; The thread-making thread, at each sweep, does in its place what a
+;;;; waiting worker would begin with: it takes new connections off the
+;;;; listening socket and looks at what has arrived on parked ones.  A request
+;;;; whose head is complete then waits for a worker under the queue
+;;;; timeout, and is answered 503 with Retry-After when that passes,
+;;;; instead of 408 at the header timeout or nothing at all.  Whatever it
+;;;; takes it parks again at once, so the first worker to wait serves it.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defun no-worker-free-p (engine)
+  "True when no worker of ENGINE's pool waits for something to serve."
+  (zerop (waiting-worker-count (engine-taskmaster engine))))
+
+(defun queue-for-worker (engine set connection)
+  "CONNECTION's request head has arrived: park it to wait for a worker until
+the queue timeout, unless it waits so already."
+  (unless (eql (connection-timeout-status connection) 503)
+    (setf (connection-timeout-status connection) 503
+          (connection-deadline connection) (+ (get-internal-real-time) (readiness-set-queue-timeout set))))
+  (park-until engine set connection (connection-deadline connection)))
+
+(defun wait-for-rest-of-head (engine set connection)
+  "Part of CONNECTION's request head, or none of it, has arrived: park it
+until the rest arrives or the header timeout passes."
+  (let ((head-started (or (connection-head-started connection)
+                          (setf (connection-head-started connection) (get-internal-real-time)))))
+    (setf (connection-timeout-status connection) 408)
+    (park-until engine set connection (+ head-started (readiness-set-header-timeout set)))))
+
+(defun look-at-arrived-head (engine set connection)
+  "Look at what has arrived on the plain CONNECTION, held by the caller,
+behind the octets already pending, and park, refuse or close it by what
+that is.  The octets are peeked, not read: left on the socket, they keep
+CONNECTION ready, so that the first worker free takes it."
+  (let* ((buffer (engine-sweep-buffer engine))
+         (pending (connection-pending connection))
+         (pending-end (if pending (length (replace buffer pending)) 0))
+         (count (receive-available (connection-fd connection) buffer pending-end (length buffer) :peek t))
+         (end (if (integerp count) (+ pending-end count) pending-end)))
+    (multiple-value-bind (status request-start request-line-end head-end)
+        (scan-request-head buffer 0 end (acceptor-max-header-bytes (engine-acceptor engine)))
+      (case status
+        (:complete
+         (let ((refused-status (head-refused-status buffer request-start request-line-end head-end)))
+           (if refused-status
+               (refuse-and-close set connection refused-status)
+               (queue-for-worker engine set connection))))
+        (:incomplete
+         (cond ((member count '(0 :error))
+                ;; The client has gone, or will send no more: no head to answer.
+                (close-connection set connection))
+               ((zerop end) (park-until engine set connection (connection-deadline connection)))
+               (t (wait-for-rest-of-head engine set connection))))
+        (t (refuse-and-close set connection status))))))
+
+(defun note-ready-connection (engine set connection)
+  "CONNECTION, taken by the caller, was reported ready while no worker is
+free.  A plain one is looked at; a TLS one cannot be without reading it, so
+that it has sent anything counts as a request waiting for a worker."
+  (cond ((eql (connection-timeout-status connection) 503)
+         (park-until engine set connection (connection-deadline connection)))
+        ((plain-connection-p connection) (look-at-arrived-head engine set connection))
+        (t (queue-for-worker engine set connection))))
+
+(defun accept-waiting-connections (engine set)
+  "Take the connections waiting on SET's listening socket and park them
+until their heads arrive.  Only on plain acceptors: a TLS connection needs
+its handshake, which a worker does, so it waits in the accept queue."
+  (if (hunchentoot:acceptor-ssl-p (engine-acceptor engine))
+      (rearm-listen-socket set)
+      (loop for connection = (accept-new-connection engine set)
+            while connection
+            do (if (start-connection-stream engine connection)
+                   (wait-for-rest-of-head engine set connection)
+                   (close-connection set connection)))))
+
+(defun sweep-while-no-worker-free (engine set)
+  "While no worker is free, take what SET reports ready as a worker would and
+note what it is, parking it again.  Ends when a worker is free, nothing is
+ready, or every connection could have been seen once: what is parked again
+while ready is reported again."
+  (loop repeat (+ 2 (readiness-set-connection-count set))
+        while (and (no-worker-free-p engine) (not (stopping-p engine)))
+        do (let ((token (epoll-wait-one (readiness-set-epoll-fd set) 0)))
+             (case token
+               (:interrupted)
+               (:timeout (return))
+               (t (cond ((= token +wakeup-token+) (return))
+                        ((= token +listen-token+) (accept-waiting-connections engine set))
+                        (t (let ((connection (take-ready-connection set token)))
+                             (when connection
+                               (note-ready-connection engine set connection))))))))))

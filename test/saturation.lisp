@@ -1,0 +1,122 @@
+;;;; A saturated pool: every worker the pool may have is held by a handler.
+;;;; Requests that arrive meanwhile wait for a worker, bounded by the queue
+;;;; timeout (503 with Retry-After), not by the header timeout (408).
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite saturation :in all :description "Requests that find every worker busy.")
+(in-suite saturation)
+
+(defvar *holding-released-p* nil
+  "Set to let the handlers of /test/hold return.")
+
+(ht:define-easy-handler (test-hold :uri "/test/hold") ()
+  (setf (ht:content-type*) "text/plain")
+  ;; 20 s at most, so that a failing test cannot hold a worker for ever.
+  (loop repeat 2000 until *holding-released-p* do (sleep 0.01))
+  "released")
+
+(defun seconds-since (start)
+  (/ (- (get-internal-real-time) start) internal-time-units-per-second))
+
+(defun two-worker-pool ()
+  (make-instance 'recycling-taskmaster :standby-thread-count 2 :max-thread-count 2))
+
+(defmacro with-every-worker-held ((server) &body body)
+  "Run BODY while both workers of SERVER serve /test/hold for two client
+threads; then let them go, and check that each client got its 200."
+  (let ((clients (gensym "CLIENTS")))
+    `(let ((,clients '()))
+       (setf *holding-released-p* nil)
+       (unwind-protect
+            (progn
+              (dotimes (index 2)
+                (push (in-thread (lambda () (http-get ,server "/test/hold" :verify nil))) ,clients))
+              (is (wait-until (lambda () (= 2 (stats ,server :in-request-threads))))
+                  "both workers hold a request")
+              ,@body)
+         (setf *holding-released-p* t)
+         (dolist (client ,clients)
+           (is (eql 200 (first (funcall client))) "a held request is answered once let go"))))))
+
+(test saturation.complete-request-gets-503-at-the-queue-timeout
+  (with-readiness-server (server :queue-timeout 2 :header-timeout 1
+                                 :taskmaster (two-worker-pool))
+    (with-every-worker-held (server)
+      (with-connection (prompt server)
+        (with-connection (late server)
+          (let ((start (get-internal-real-time)))
+            (send-text prompt (get-request "/test/yo"))
+            ;; Sent 0.5 s after connecting, the request is complete before
+            ;; the header timeout (1 s) and waits past it: 503, not 408.
+            (sleep 0.5)
+            (send-text late (get-request "/test/yo"))
+            (multiple-value-bind (status body head) (read-response prompt :timeout 6)
+              (declare (ignore body))
+              (is (eql 503 status) "a complete request that waits is answered 503, got ~S" status)
+              (is (<= 1.9 (seconds-since start) 3) "at the 2 s queue timeout: after ~,2F s" (seconds-since start))
+              (is (cl-ppcre:scan "(?im)^retry-after: 2\\r$" head) "with Retry-After: ~S" head)
+              (is (cl-ppcre:scan "(?im)^date: " head) "with Date: ~S" head))
+            (is-true (closed-by-server-p prompt))
+            (is (eql 503 (read-response late :timeout 6)) "sent after 0.5 s, still 503, not 408")
+            (is (<= (seconds-since start) 4.5) "within 3 s of its sending: ~,2F s after the first"
+                (seconds-since start))))))
+      (is (= 2 (stats server :queue-timeout-replies)))
+      (is (= 0 (stats server :header-timeout-replies)))))
+
+(test saturation.waiting-request-is-served-when-a-worker-frees
+  (with-readiness-server (server :queue-timeout 10 :header-timeout 1
+                                 :taskmaster (two-worker-pool))
+    (with-connection (waiting server)
+      (with-every-worker-held (server)
+        (send-text waiting (get-request "/test/yo"))
+        ;; Past the header timeout, the request still waits.
+        (sleep 1.5))
+      (is (eql 200 (read-response waiting :timeout 5)) "served by the first worker let go"))
+    (is (= 0 (stats server :queue-timeout-replies)))
+    (is (= 0 (stats server :header-timeout-replies)))))
+
+(test saturation.incomplete-head-still-gets-408
+  (with-readiness-server (server :queue-timeout 5 :header-timeout 1
+                                 :taskmaster (two-worker-pool))
+    (with-every-worker-held (server)
+      (with-connection (partial server)
+        (let ((start (get-internal-real-time)))
+          (send-text partial (concatenate 'string (crlf-lines "GET /test/yo HTTP/1.1") "Host: loc"))
+          (is (eql 408 (read-response partial :timeout 5)) "a head that never ends is late, not queued")
+          (is (<= 0.9 (seconds-since start) 2.5)))))
+    (is (= 1 (stats server :header-timeout-replies)))
+    (is (= 0 (stats server :queue-timeout-replies)))))
+
+(test saturation.bad-head-is-refused-while-waiting
+  (with-readiness-server (server :queue-timeout 5
+                                 :taskmaster (two-worker-pool))
+    (with-every-worker-held (server)
+      (with-connection (bad server)
+        (let ((start (get-internal-real-time)))
+          (send-text bad (get-request "/test/yo" "No colon here"))
+          (is (eql 400 (read-response bad :timeout 5)))
+          (is (< (seconds-since start) 1.5) "at the next sweep, not when a worker frees"))))
+    (is (= 1 (stats server :bad-request-replies)))))
+
+(test saturation.kept-alive-tls-request-gets-503
+  (with-thread-leak-check ()
+    (multiple-value-bind (certificate key) (certificate-files)
+      (with-server (server (make-server 'parallel-easy-ssl-acceptor
+                                        :ssl-certificate-file certificate :ssl-privatekey-file key
+                                        :queue-timeout 2 :taskmaster (two-worker-pool)))
+        (multiple-value-bind (stream socket) (tls-connect server)
+          (unwind-protect
+               (flet ((send (text)
+                        (write-sequence (flex:string-to-octets text) stream)
+                        (finish-output stream)))
+                 (send (get-request "/test/yo"))
+                 (is (eql 200 (read-stream-response stream)) "a first request, kept alive")
+                 (with-every-worker-held (server)
+                   (let ((start (get-internal-real-time)))
+                     (send (get-request "/test/yo"))
+                     (is (eql 503 (read-stream-response stream)) "the next one waits, then gets 503")
+                     (is (<= 1.9 (seconds-since start) 3.5) "after ~,2F s" (seconds-since start)))))
+            (ignore-errors (close stream))
+            (usocket:socket-close socket)))
+        (is (= 1 (stats server :queue-timeout-replies)))))))
