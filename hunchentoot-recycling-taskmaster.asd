@@ -62,12 +62,13 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
 (defsystem "hunchentoot-recycling-taskmaster/bench"
   :description "Benchmark servers started in their own process by bench/run,
 the wrk matrix that measures them, and the many-connection loads."
-  :depends-on ("hunchentoot-recycling-taskmaster" "aserve" "cl-ppcre" "usocket")
+  :depends-on ("hunchentoot-recycling-taskmaster" "aserve" "cl-ppcre" "usocket" (:require "sb-sprof"))
   :pathname "bench/"
   :serial t
   :components ((:file "server")
                (:file "driver")
-               (:file "connections")))
+               (:file "connections")
+               (:file "profile")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
   :description "The demo server that `make run` starts."

@@ -6,7 +6,7 @@
 (defpackage #:hunchentoot-recycling-taskmaster-bench
   (:use #:cl)
   (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster))
-  (:export #:serve #:run-benchmarks #:run-connection-load))
+  (:export #:serve #:run-benchmarks #:run-connection-load #:run-profile))
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
