@@ -63,6 +63,9 @@ START-OUTPUT clears it when the reply keeps the connection alive."
   "True when the reply just sent ends the connection."
   hunchentoot::*finish-processing-socket*)
 
+(defun (setf finish-processing-connection-p) (value)
+  (setf hunchentoot::*finish-processing-socket* value))
+
 (defun call-with-request-counted (acceptor function)
   "Call FUNCTION with ACCEPTOR's count of requests in progress raised, as
 Hunchentoot's own connection loop does."
@@ -76,3 +79,66 @@ its type is text, as Hunchentoot reads it, else NIL."
 (defun (setf request-headers-in) (headers request)
   "Replace what HUNCHENTOOT:HEADERS-IN of REQUEST returns."
   (setf (slot-value request 'hunchentoot::headers-in) headers))
+
+;;; What PROCESS-REQUEST and START-OUTPUT are made of, for the engine's own
+;;; PROCESS-REQUEST (engine/reply.lisp).
+
+(defmacro with-request-specials ((request) &body body)
+  "Bind the specials Hunchentoot's PROCESS-REQUEST binds around one request:
+its temporary files, whether its headers are sent, and *REQUEST*."
+  `(let ((hunchentoot::*tmp-files* '())
+         (hunchentoot::*headers-sent* nil)
+         (hunchentoot:*request* ,request))
+     ,@body))
+
+(defmacro catching-request-end (&body body)
+  "Run BODY where Hunchentoot's reply code may end the request early: START-OUTPUT
+throws once a HEAD request's headers are sent."
+  `(catch 'hunchentoot::request-processed ,@body))
+
+(defmacro catching-handler-end (&body body)
+  "Run BODY where HUNCHENTOOT:ABORT-REQUEST-HANDLER and a handler's error end
+the handler: the handler's contents, or NIL, the error and its backtrace."
+  `(catch 'hunchentoot::handler-done ,@body))
+
+(defmacro with-hunchentoot-debugger (&body body)
+  "Run BODY as Hunchentoot runs a reply: BAD-REQUEST becomes 400, and an
+error enters the debugger when HUNCHENTOOT:*CATCH-ERRORS-P* is false."
+  `(hunchentoot::with-debugger ,@body))
+
+(defun headers-sent-p ()
+  "True once the current request's status line and headers are written."
+  hunchentoot::*headers-sent*)
+
+(defun (setf headers-sent-p) (value)
+  (setf hunchentoot::*headers-sent* value))
+
+(defun delete-request-temporary-files ()
+  "Delete the uploaded files of the current request that its handler left."
+  (dolist (path hunchentoot::*tmp-files*)
+    (when (and (pathnamep path) (probe-file path))
+      ;; The handler may have moved or deleted it.
+      (ignore-errors (delete-file path)))))
+
+(defun current-backtrace ()
+  "The backtrace Hunchentoot logs and shows with an error."
+  (hunchentoot::get-backtrace))
+
+(defun hunchentoot-start-output (return-code content)
+  "Hunchentoot's own START-OUTPUT: headers and CONTENT written through its
+flexi-stream."
+  (hunchentoot::start-output return-code content))
+
+(defun keep-alive-reply-p (request)
+  "Hunchentoot's KEEP-ALIVE-P: true unless REQUEST's headers or the acceptor
+forbid a persistent connection; second value, true when the client asked
+for one explicitly."
+  (hunchentoot::keep-alive-p request))
+
+(defun header-out-set-p (name)
+  "True when the current reply has a header NAME, NIL-valued or not."
+  (hunchentoot::header-out-set-p name))
+
+(defun cookie-header-value (cookie)
+  "The value of the Set-Cookie header Hunchentoot writes for COOKIE."
+  (hunchentoot::stringify-cookie cookie))

@@ -83,9 +83,12 @@ the client's, whatever its initializer was shown."
       (setf (request-headers-in request) headers))
     request))
 
-(defvar *keep-alive-header-seconds* nil
-  "In a worker, the whole seconds a kept-alive connection stays open; NIL
-elsewhere.")
+(defvar *keep-alive-header-value* nil
+  "In a worker, what the Keep-Alive header says: timeout= the whole seconds
+a kept-alive connection stays open.  NIL elsewhere.")
+
+(defun keep-alive-header-value (acceptor)
+  (format nil "timeout=~D" (floor (acceptor-keep-alive-timeout acceptor))))
 
 (defmethod (setf hunchentoot:header-out) :around
     (value (name (eql :keep-alive)) &optional (reply hunchentoot:*reply*))
@@ -94,10 +97,7 @@ client asks to be kept alive, but a parallel acceptor closes an idle
 connection after KEEP-ALIVE-TIMEOUT: name that, or the client will send its
 next request on a connection being closed.  (START-OUTPUT overwrites any
 value a handler set, here as in Hunchentoot.)"
-  (call-next-method (if *keep-alive-header-seconds*
-                        (format nil "timeout=~D" *keep-alive-header-seconds*)
-                        value)
-                    name reply))
+  (call-next-method (or *keep-alive-header-value* value) name reply))
 
 (defun answer-request (acceptor head addresses connection-stream content-stream chunked-p)
   "Answer one request, whose REQUEST-HEAD is HEAD, as Hunchentoot's

@@ -1,0 +1,276 @@
+;;;; Replies.  A parallel acceptor's requests are processed by the engine's
+;;;; own HUNCHENTOOT:PROCESS-REQUEST method, which does what Hunchentoot's
+;;;; does -- the handler's specials, errors reported as 500, the status
+;;;; message for a handler that returned nothing, temporary files removed --
+;;;; except for the common reply: when the handler returned its body as a
+;;;; string or octets, the status line, headers and body are written to
+;;;; the connection as octets, headers computed as START-OUTPUT computes
+;;;; them, without a flexi-stream or FORMAT per header line (bench/profiles:
+;;;; a fifth of the samples of a trivial request went there).  Every other
+;;;; reply -- handlers that stream through SEND-HEADERS, bodiless replies
+;;;; such as 304, HTML rewritten for cookie-less sessions, a
+;;;; HUNCHENTOOT:*HEADER-STREAM* to copy headers to -- is Hunchentoot's.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+;;; The reply head, built in a buffer each worker keeps.
+
+(defstruct (reply-head (:constructor make-reply-head ()))
+  (octets (make-array 2048 :element-type '(unsigned-byte 8)) :type octets)
+  (end 0 :type fixnum))
+
+(defvar *reply-head* nil
+  "In a worker, the REPLY-HEAD its replies are built in.")
+
+(defun room-for (count head)
+  "The octets of HEAD, with room for COUNT more after its end."
+  (declare (type reply-head head) (type fixnum count))
+  (let ((octets (reply-head-octets head))
+        (needed (+ (reply-head-end head) count)))
+    (if (<= needed (length octets))
+        octets
+        (setf (reply-head-octets head)
+              (replace (make-array (max needed (* 2 (length octets))) :element-type '(unsigned-byte 8))
+                       octets :end2 (reply-head-end head))))))
+
+(defun push-octet (octet head)
+  (declare (type reply-head head) (type (unsigned-byte 8) octet))
+  (let ((octets (room-for 1 head)))
+    (setf (aref octets (reply-head-end head)) octet)
+    (incf (reply-head-end head))))
+
+(defun push-octets (octets head)
+  (declare (type octets octets) (type reply-head head))
+  (replace (room-for (length octets) head) octets :start1 (reply-head-end head))
+  (incf (reply-head-end head) (length octets)))
+
+(defun push-text (string head &key (start 0) (end (length string)))
+  "Push the characters of STRING from START below END as Latin-1 octets, as
+Hunchentoot's header stream writes them; a character outside Latin-1 as ?."
+  (declare (type string string) (type fixnum start end) (type reply-head head))
+  (let ((octets (room-for (- end start) head))
+        (position (reply-head-end head)))
+    (declare (type fixnum position))
+    (flet ((latin-1 (char)
+             (let ((code (char-code char)))
+               (if (< code 256) code 63))))
+      (declare (inline latin-1))
+      (typecase string
+        ((simple-array character (*))
+         (loop for index of-type fixnum from start below end
+               do (setf (aref octets position) (latin-1 (schar string index)))
+                  (incf position)))
+        (simple-base-string
+         (loop for index of-type fixnum from start below end
+               do (setf (aref octets position) (latin-1 (schar string index)))
+                  (incf position)))
+        (t
+         (loop for index of-type fixnum from start below end
+               do (setf (aref octets position) (latin-1 (char string index)))
+                  (incf position)))))
+    (setf (reply-head-end head) position)))
+
+(defun push-crlf (head)
+  (push-octet +cr+ head)
+  (push-octet +lf+ head))
+
+(defun push-header-line (name value head)
+  "Push the header line NAME: VALUE.  A string value's lines become
+continuation lines and its empty lines are dropped, a number is written in
+decimal, anything else as PRINC writes it: as Hunchentoot writes headers."
+  (let ((text (typecase value
+                (string value)
+                (integer (let ((*print-base* 10) (*print-radix* nil)) (princ-to-string value)))
+                (t (princ-to-string value)))))
+    (push-text name head)
+    (push-octet #.(char-code #\:) head)
+    (push-octet #.(char-code #\Space) head)
+    (loop with first-p = t
+          for start = 0 then (1+ end)
+          for end = (or (position #\Newline text :start start) (length text))
+          do (when (< start end)
+               (unless first-p (push-octet #.(char-code #\Tab) head))
+               (push-text text head :start start :end end)
+               (push-crlf head)
+               (setf first-p nil))
+          while (< end (length text))
+          finally (when first-p (push-crlf head)))))
+
+(defun make-status-line (return-code)
+  (map 'octets #'char-code (format nil "HTTP/1.1 ~D ~A~C~C" return-code (hunchentoot:reason-phrase return-code)
+                                   #\Return #\Linefeed)))
+
+(defparameter *status-lines*
+  (let ((lines (make-array 600 :initial-element nil)))
+    (loop for return-code from 100 below 600
+          do (setf (svref lines return-code) (make-status-line return-code)))
+    lines)
+  "The status line of each return code from 100 to 599, as octets.")
+
+(defun status-line (return-code)
+  (if (and (integerp return-code) (<= 100 return-code 599))
+      (svref *status-lines* return-code)
+      (make-status-line return-code)))
+
+;;; What the reply's headers say, as START-OUTPUT decides it.
+
+(defvar *date-header* (cons 0 "")
+  "The universal time of the last Date header made, and its value: one
+formatted per second, not per reply.")
+
+(defun date-header-value ()
+  (let ((cache *date-header*)
+        (now (get-universal-time)))
+    (if (= (car cache) now)
+        (cdr cache)
+        (cdr (setf *date-header* (cons now (hunchentoot:rfc-1123-date now)))))))
+
+(defun charset-parameter-p (content-type)
+  "True when CONTENT-TYPE has a charset parameter: a ; then optional
+whitespace then charset=, in any case."
+  (loop for semicolon = (position #\; content-type) then (position #\; content-type :start (1+ semicolon))
+        while semicolon
+        thereis (let ((start (or (position-if-not (lambda (char) (member char '(#\Space #\Tab)))
+                                                  content-type :start (1+ semicolon))
+                                 (length content-type))))
+                  (and (<= (+ start 8) (length content-type))
+                       (string-equal "charset=" content-type :start2 start :end2 (+ start 8))))))
+
+(defvar *content-type-with-charset* (list nil nil nil)
+  "The last content type and external format the charset was added for, and
+the result: handlers set the same literal content type again and again.")
+
+(defun content-type-with-charset (content-type external-format)
+  "CONTENT-TYPE with the charset of EXTERNAL-FORMAT added if it is a text
+type without one, as Hunchentoot adds it to a string body's type."
+  (destructuring-bind (last-type last-format result) *content-type-with-charset*
+    (if (and (eq content-type last-type) (eq external-format last-format))
+        result
+        (let ((result (if (and (<= 4 (length content-type))
+                               (string-equal "text" content-type :end2 4)
+                               (not (charset-parameter-p content-type)))
+                          (format nil "~A; charset=~(~A~)" content-type
+                                  (flex:external-format-name external-format))
+                          content-type)))
+          (setf *content-type-with-charset* (list content-type external-format result))
+          result))))
+
+(defun set-connection-headers (request)
+  "Set the Connection and Keep-Alive headers and whether the connection
+ends after this reply, as START-OUTPUT does for a reply whose length is
+known."
+  (let ((acceptor hunchentoot:*acceptor*))
+    (multiple-value-bind (keep-alive-p keep-alive-requested-p) (keep-alive-reply-p request)
+      (cond (keep-alive-p
+             (setf (finish-processing-connection-p) nil)
+             (when (and (hunchentoot:acceptor-read-timeout acceptor)
+                        (or (not (eq (hunchentoot:server-protocol request) :http/1.1))
+                            keep-alive-requested-p))
+               (unless (hunchentoot:header-out :connection)
+                 (setf (hunchentoot:header-out :connection) "Keep-Alive"))
+               (setf (hunchentoot:header-out :keep-alive)
+                     (or *keep-alive-header-value*
+                         (format nil "timeout=~D" (hunchentoot:acceptor-read-timeout acceptor))))))
+            ((not (header-out-set-p :connection))
+             (setf (hunchentoot:header-out :connection) "Close"))))))
+
+(defun set-server-and-date-headers ()
+  (unless (and (header-out-set-p :server) (null (hunchentoot:header-out :server)))
+    (setf (hunchentoot:header-out :server)
+          (or (hunchentoot:header-out :server) (acceptor-server-name hunchentoot:*acceptor*))))
+  (setf (hunchentoot:header-out :date) (date-header-value)))
+
+(defun body-octets (content)
+  "CONTENT as octets; a string is encoded in the reply's external format,
+and the charset added to a text content type, as START-OUTPUT does."
+  (if (stringp content)
+      (let ((external-format (hunchentoot:reply-external-format*)))
+        (setf (hunchentoot:content-type*)
+              (content-type-with-charset (hunchentoot:content-type*) external-format))
+        (flex:string-to-octets content :external-format external-format))
+      content))
+
+;;; Writing it.
+
+(defun octets-reply-p (request content)
+  "True when the reply with CONTENT is written as octets: a string or octet
+body, headers not sent yet, no header stream to copy them to, and no HTML
+to rewrite for a cookie-less session."
+  (and (or (stringp content) (typep content '(vector (unsigned-byte 8))))
+       (not (headers-sent-p))
+       (null hunchentoot:*header-stream*)
+       (not (and (stringp content) hunchentoot:*rewrite-for-session-urls* (hunchentoot:session request)))))
+
+(defun send-octets-reply (request return-code content)
+  "Send RETURN-CODE with the body CONTENT, a string or octets, to the
+current connection stream: headers as START-OUTPUT sets them, the access
+log entry and the reading of an unread body as SEND-RESPONSE does, then the
+whole reply as octets.  No body for HEAD."
+  (set-connection-headers request)
+  (set-server-and-date-headers)
+  (let ((octets (body-octets content))
+        (head (or *reply-head* (make-reply-head))))
+    (setf (hunchentoot:header-out :content-length) (length octets)
+          (headers-sent-p) t)
+    (hunchentoot:acceptor-log-access hunchentoot:*acceptor* :return-code return-code)
+    (hunchentoot:raw-post-data :force-binary t)
+    (setf (reply-head-end head) 0)
+    (push-octets (status-line return-code) head)
+    (loop for (name . value) in (hunchentoot:headers-out*)
+          when value
+            do (push-header-line (chunga:as-capitalized-string name) value head))
+    (loop for (nil . cookie) in (hunchentoot:cookies-out*)
+          do (push-header-line "Set-Cookie" (cookie-header-value cookie) head))
+    (push-crlf head)
+    (let ((stream (current-connection-stream)))
+      (write-sequence (reply-head-octets head) stream :end (reply-head-end head))
+      (unless (eq (hunchentoot:request-method request) :head)
+        (write-sequence octets stream)))))
+
+(defun send-reply (request return-code content)
+  "Send the reply: as octets when OCTETS-REPLY-P, else by Hunchentoot's
+START-OUTPUT."
+  (if (octets-reply-p request content)
+      (send-octets-reply request return-code content)
+      (hunchentoot-start-output return-code content)))
+
+;;; Processing a request.
+
+(defun report-handler-error (request error &optional backtrace)
+  "Log ERROR as Hunchentoot does and answer 500 with the acceptor's status
+message, unless the reply has begun."
+  (when hunchentoot:*log-lisp-errors-p*
+    (hunchentoot:log-message* hunchentoot:*lisp-errors-log-level* "~A~@[~%~A~]"
+                              error (and hunchentoot:*log-lisp-backtraces-p* backtrace)))
+  (send-reply request hunchentoot:+http-internal-server-error+
+              (hunchentoot:acceptor-status-message hunchentoot:*acceptor* hunchentoot:+http-internal-server-error+
+                                                   :error (princ-to-string error)
+                                                   :backtrace (princ-to-string backtrace))))
+
+(defmethod hunchentoot:process-request ((request hunchentoot:request))
+  "Under a PARALLEL-ACCEPTOR, Hunchentoot's request processing with the
+common reply written as octets (see engine/reply.lisp); under any other
+acceptor, Hunchentoot's own."
+  (if (not (typep hunchentoot:*acceptor* 'parallel-acceptor))
+      (call-next-method)
+      (catching-request-end
+        (with-request-specials (request)
+          (unwind-protect
+               (usocket:with-mapped-conditions ()
+                 (multiple-value-bind (contents error backtrace)
+                     ;; A request its initializer found bad has its 400 already.
+                     (when (eql (hunchentoot:return-code*) hunchentoot:+http-ok+)
+                       (catching-handler-end
+                         (hunchentoot:handle-request hunchentoot:*acceptor* request)))
+                   (when error
+                     (report-handler-error request error backtrace))
+                   (unless (headers-sent-p)
+                     (handler-case
+                         (with-hunchentoot-debugger
+                           (send-reply request (hunchentoot:return-code*)
+                                       (or contents
+                                           (hunchentoot:acceptor-status-message hunchentoot:*acceptor*
+                                                                                (hunchentoot:return-code*)))))
+                       (error (condition)
+                         (report-handler-error request condition))))))
+            (delete-request-temporary-files))))))

@@ -1,0 +1,123 @@
+;;;; Replies written as octets by the engine, compared byte for byte with
+;;;; the replies Hunchentoot's own EASY-ACCEPTOR writes for the same
+;;;; requests: only the Date value and the Keep-Alive timeout (which names
+;;;; :KEEP-ALIVE-TIMEOUT here, :READ-TIMEOUT there) may differ.
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite replies :in all :description "Replies, the same octets as Hunchentoot's.")
+(in-suite replies)
+
+(ht:define-easy-handler (test-reply-headers :uri "/test/reply-headers") ()
+  (setf (ht:return-code*) ht:+http-created+
+        (ht:content-type*) "text/plain; charset=utf-8"
+        (ht:header-out :x-made-up) "a value"
+        (ht:header-out "X-Named-By-String") "another"
+        (ht:header-out :cache-control) "no-cache"
+        (ht:header-out :x-number) 42
+        (ht:header-out :x-symbol) :some-symbol
+        (ht:header-out :x-two-lines) (format nil "first~%second")
+        (ht:header-out :location) "/elsewhere")
+  (ht:set-cookie "flavour" :value "chocolate" :path "/" :http-only t)
+  (ht:set-cookie "size" :value "large" :max-age 60 :secure t)
+  "headers set")
+
+(ht:define-easy-handler (test-latin-1 :uri "/test/latin-1") ()
+  (setf (ht:content-type*) "text/plain"
+        (ht:reply-external-format*) (flex:make-external-format :latin-1 :eol-style :lf))
+  (format nil "caf~C" (code-char 233)))
+
+(ht:define-easy-handler (test-octets :uri "/test/octets") ()
+  (setf (ht:content-type*) "application/octet-stream")
+  (coerce #(0 1 2 3 255) '(vector (unsigned-byte 8))))
+
+(ht:define-easy-handler (test-not-modified :uri "/test/not-modified") ()
+  (ht:handle-if-modified-since (encode-universal-time 0 0 0 1 1 2020 0))
+  (setf (ht:header-out :last-modified) (ht:rfc-1123-date (encode-universal-time 0 0 0 1 1 2020 0)))
+  "modified")
+
+(ht:define-easy-handler (test-classes :uri "/test/classes") ()
+  (setf (ht:content-type*) "text/plain")
+  (format nil "~(~A ~A~)" (type-of ht:*request*) (type-of ht:*reply*)))
+
+(defclass test-request (ht:request) ())
+
+(defclass test-reply (ht:reply) ())
+
+(defmethod initialize-instance :after ((reply test-reply) &key)
+  (setf (ht:header-out :x-from-reply-class reply) "yes"))
+
+(defun reply-complete-p (text head-request-p)
+  "True when TEXT holds a whole reply: its head, then the body its
+Content-Length, chunked coding or status says (none for HEAD and 304)."
+  (let ((head-end (search (coerce '(#\Return #\Linefeed #\Return #\Linefeed) 'string) text)))
+    (when head-end
+      (let* ((head (subseq text 0 head-end))
+             (body-start (+ head-end 4))
+             (length-match (nth-value 1 (cl-ppcre:scan-to-strings "(?im)^content-length:\\s*(\\d+)" head))))
+        (cond ((or head-request-p (search " 304 " head)) t)
+              (length-match (<= (+ body-start (parse-integer (aref length-match 0))) (length text)))
+              ((cl-ppcre:scan "(?im)^transfer-encoding:\\s*chunked" head)
+               (search (coerce '(#\Return #\Linefeed #\0 #\Return #\Linefeed #\Return #\Linefeed) 'string)
+                       text :start2 (- body-start 2)))
+              (t nil))))))
+
+(defun read-whole-reply (socket head-request-p &key (timeout 10))
+  "The octets of one reply read from SOCKET, as a Latin-1 string: up to
+its end (REPLY-COMPLETE-P), the connection's end or TIMEOUT seconds."
+  (let ((stream (usocket:socket-stream socket))
+        (text (make-array 0 :element-type 'character :adjustable t :fill-pointer t))
+        (deadline (+ (get-internal-real-time) (* timeout internal-time-units-per-second))))
+    (loop until (or (reply-complete-p text head-request-p)
+                    (> (get-internal-real-time) deadline))
+          do (when (usocket:wait-for-input socket :timeout 0.1 :ready-only t)
+               (let ((octet (read-byte stream nil)))
+                 (if octet (vector-push-extend (code-char octet) text) (return)))))
+    (coerce text 'simple-string)))
+
+(defun normalized-reply (text)
+  "TEXT with the Date value, the Keep-Alive timeout and the port a status
+page names blanked."
+  (cl-ppcre:regex-replace-all "(?m)^(Date: )[^\\r]*|(Keep-Alive: timeout=)\\d+|(\\(port )\\d+" text "\\1\\2\\3*"))
+
+(defun replies-of (class requests &rest initargs)
+  "The normalized replies an acceptor of CLASS gives to each of REQUESTS,
+each sent on a connection of its own."
+  (with-server (server (apply #'make-server class initargs))
+    (loop for request in requests
+          collect (with-connection (socket server)
+                    (send-text socket request)
+                    (normalized-reply (read-whole-reply socket (eql 0 (search "HEAD " request))))))))
+
+(defun check-same-replies (requests &rest initargs)
+  (loop for request in requests
+        for theirs in (apply #'replies-of 'ht:easy-acceptor requests initargs)
+        for ours in (apply #'replies-of 'parallel-easy-acceptor requests initargs)
+        do (is (equal theirs ours) "~S~%Hunchentoot's reply:~%~A~%ours:~%~A" request theirs ours)))
+
+(test replies.same-octets-as-hunchentoot
+  (check-same-replies
+   (list (get-request "/test/yo")
+         (get-request "/test/reply-headers")
+         (crlf-lines "HEAD /test/reply-headers HTTP/1.1" "Host: localhost" "")
+         (get-request "/test/not-modified" "If-Modified-Since: Wed, 01 Jan 2020 00:00:00 GMT")
+         (get-request "/test/not-modified" "If-Modified-Since: Tue, 31 Dec 2019 00:00:00 GMT")
+         (get-request "/test/latin-1")
+         (get-request "/test/utf-8?name=%E3%81%82")
+         (get-request "/test/octets")
+         (get-request "/test/no-such-page")
+         (get-request "/test/yo" "Connection: close")
+         (crlf-lines "GET /test/yo HTTP/1.0" "Connection: keep-alive" "")
+         (crlf-lines "GET /test/yo HTTP/1.0" "")
+         (get-request "/test/chunked-reply")
+         (concatenate 'string
+                      (crlf-lines "POST /test/body HTTP/1.1" "Host: localhost" "Content-Length: 5" "")
+                      "hello"))))
+
+(test replies.handler-error-page-is-the-same
+  (let ((ht:*show-lisp-errors-p* nil))
+    (check-same-replies (list (get-request "/test/error")))))
+
+(test replies.request-and-reply-subclasses-are-used
+  (check-same-replies (list (get-request "/test/classes"))
+                      :request-class 'test-request :reply-class 'test-reply))
