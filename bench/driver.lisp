@@ -303,6 +303,14 @@ bw = ~F
                   (and ratio (ratio-text ratio)) (and value (round value)))))
       (terpri out))))
 
+(defun server-cells (results server-name)
+  "Workload -> the cell of the server named SERVER-NAME in RESULTS."
+  (let ((cells (make-hash-table :test #'equal)))
+    (loop for (server workload cell) in results
+          when (equal (getf server :name) server-name)
+            do (setf (gethash workload cells) cell))
+    cells))
+
 (defun duration-text (seconds)
   (multiple-value-bind (minutes seconds) (floor (round seconds) 60)
     (format nil "~Dm~2,'0Ds" minutes seconds)))
@@ -370,10 +378,14 @@ Returns the directory."
       (write-chart directory results workloads :p99-ms
                    (format nil "p99 latency, ms (log scale, lower is better); labels: ratio to ~A" baseline)
                    "p99-latency" baseline-cells))
-    (let ((table (summary-table results workloads baseline-cells)))
+    (let ((table (summary-table results workloads baseline-cells))
+          (nginx-cells (server-cells results "nginx")))
       (with-open-file (out (concatenate 'string directory "summary.md") :direction :output)
         (format out "Requests/s, the median of ~D round~:P of ~D s per cell, as a ratio to ~A in this run:~%~%~A"
-                rounds seconds (getf (first *servers*) :name) table))
+                rounds seconds (getf (first *servers*) :name) table)
+        (when (plusp (hash-table-count nginx-cells))
+          (format out "~%The same, as a fraction of nginx in this run:~%~%~A"
+                  (summary-table results workloads nginx-cells))))
       (format t "~&~%Requests/s (median of ~D round~:P), ratio to ~A in this run (~A):~%~A~%Results: ~A~%"
               rounds (getf (first *servers*) :name) directory table directory))
     directory))

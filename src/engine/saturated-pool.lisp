@@ -65,13 +65,18 @@ that it has sent anything counts as a request waiting for a worker."
         ((plain-connection-p connection) (look-at-arrived-head engine set connection))
         (t (queue-for-worker engine set connection))))
 
+(defconstant +accepts-per-sweep-event+ 64
+  "The most connections the sweep accepts each time the listening socket is
+reported: under a flood of connections it still returns to its deadlines.")
+
 (defun accept-waiting-connections (engine set)
-  "Take the connections waiting on SET's listening socket and park them
-until their heads arrive.  Only on plain acceptors: a TLS connection needs
-its handshake, which a worker does, so it waits in the accept queue."
+  "Take connections waiting on SET's listening socket and park them until
+their heads arrive.  Only on plain acceptors: a TLS connection needs its
+handshake, which a worker does, so it waits in the accept queue."
   (if (hunchentoot:acceptor-ssl-p (engine-acceptor engine))
       (rearm-listen-socket set)
-      (loop for connection = (accept-new-connection engine set)
+      (loop repeat +accepts-per-sweep-event+
+            for connection = (accept-new-connection engine set)
             while connection
             do (if (start-connection-stream engine connection)
                    (wait-for-rest-of-head engine set connection)
