@@ -55,7 +55,8 @@ more than 100 header lines 431."))
    :header-timeout 10
    :keep-alive-timeout 5
    :queue-timeout 10
-   :max-header-bytes 16384)
+   :max-header-bytes 16384
+   :listen-backlog 511)
   (:documentation "HUNCHENTOOT:ACCEPTOR served by a RECYCLING-TASKMASTER:
 pooled worker threads share the listening socket and the connections that
 wait for requests.  Give :TASKMASTER (MAKE-INSTANCE 'RECYCLING-TASKMASTER
