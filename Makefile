@@ -9,7 +9,7 @@ PORT ?= 4242
 SBCL = sbcl --noinform --non-interactive --disable-debugger
 LIBRARY_PACKAGES = sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-flexi-streams \
                    cl-chunga cl-ppcre
-TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl
+TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd
 BENCH_PACKAGES = wrk nginx-light cl-aserve gnuplot-nox procps curl
 
 .PHONY: deps test-deps bench-deps run test bench bench-quick bench-connections bench-slowloris

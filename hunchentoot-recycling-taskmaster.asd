@@ -53,6 +53,7 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (:file "saturation")
                (:file "request-bodies")
                (:file "replies")
+               (:file "listening")
                (:file "garbage-input")
                (:file "extension-points")
                (:file "stop")

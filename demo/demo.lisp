@@ -48,13 +48,16 @@ the server, so nothing is unwound from inside a handler."
 
 (defun main (&key (port 4242) (address "127.0.0.1"))
   "Serve the demo on ADDRESS:PORT until Ctrl-C or SIGTERM, then stop softly
-(requests in flight finish) and return."
-  (let ((acceptor (make-instance 'hunchentoot-recycling-taskmaster:parallel-easy-acceptor
-                                 :port port :address address
-                                 :document-root (static-directory))))
+(requests in flight finish) and return.  Started by systemd's socket
+activation (demo/*.socket), serve the socket it passed instead."
+  (let* ((listen-fd (hunchentoot-recycling-taskmaster:systemd-listen-fd))
+         (acceptor (make-instance 'hunchentoot-recycling-taskmaster:parallel-easy-acceptor
+                                  :port port :address address :listen-fd listen-fd
+                                  :document-root (static-directory))))
     (hunchentoot:start acceptor)
-    (format t "~&Serving http://~A:~D/ (try /yo, /hello?name=you, /slow?ms=500, /stats, /index.html). Ctrl-C stops.~%"
-            address (hunchentoot:acceptor-port acceptor))
+    (format t "~&Serving ~:[http://~A:~D/~;~*the socket systemd passed, port ~D~] ~
+               (try /yo, /hello?name=you, /slow?ms=500, /stats, /index.html). Ctrl-C stops.~%"
+            listen-fd address (hunchentoot:acceptor-port acceptor))
     (finish-output)
     (let ((signal (wait-for-termination-signal)))
       (hunchentoot:stop acceptor :soft t)

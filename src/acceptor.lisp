@@ -19,6 +19,14 @@ answers 408."))
   (:documentation "Seconds a complete request may wait for a free worker of
 ACCEPTOR before it is answered 503 with Retry-After."))
 
+(defgeneric acceptor-reuse-port-p (acceptor)
+  (:documentation "True when ACCEPTOR listens with SO_REUSEPORT, sharing its
+port with other sockets that do."))
+
+(defgeneric acceptor-listen-fd (acceptor)
+  (:documentation "The inherited listening descriptor ACCEPTOR serves, or
+NIL when it makes its own listening socket."))
+
 (defgeneric acceptor-max-header-bytes (acceptor)
   (:documentation "The largest header block ACCEPTOR answers; a larger one
 gets 431."))
@@ -44,6 +52,20 @@ request before it is closed.")
 free worker, when every worker the pool may have is busy; then the client
 gets 503 with Retry-After (these seconds, rounded up) and the connection
 is closed.  The header timeout ends when the head is complete.")
+   (reuse-port
+    :initarg :reuse-port :reader acceptor-reuse-port-p
+    :documentation "When true, listen with SO_REUSEPORT: several processes
+(or acceptors) bound so to one address and port each take a share of its
+connections, spread by the kernel, and a new process can start listening
+before the old one stops.")
+   (listen-fd
+    :initarg :listen-fd :reader acceptor-listen-fd
+    :documentation "A descriptor that already listens, inherited from a
+supervisor (systemd's socket activation passes the first as 3), served
+instead of a socket of the acceptor's own; :ADDRESS and :PORT are then
+ignored, and the port is read from the socket.  STOP and ABANDON-ACCEPTOR
+never close it: it stays the supervisor's, listening, for the next START
+or the next process.")
    (max-header-bytes
     :initarg :max-header-bytes :reader acceptor-max-header-bytes
     :documentation "The largest header block (the lines after the request
@@ -55,6 +77,8 @@ more than 100 header lines 431."))
    :header-timeout 10
    :keep-alive-timeout 5
    :queue-timeout 10
+   :reuse-port nil
+   :listen-fd nil
    :max-header-bytes 16384
    :listen-backlog 511)
   (:documentation "HUNCHENTOOT:ACCEPTOR served by a RECYCLING-TASKMASTER:
@@ -87,6 +111,11 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
            :reason (format nil "must equal :READ-TIMEOUT (~S): on SBCL one timeout bounds ~
                                 both reads and writes"
                            (hunchentoot:acceptor-read-timeout acceptor))))
+  (let ((fd (acceptor-listen-fd acceptor)))
+    (unless (or (null fd) (and (integerp fd) (<= 0 fd)))
+      (error 'invalid-acceptor-configuration
+             :initarg :listen-fd :value fd
+             :reason "must be NIL or a descriptor number")))
   (let ((bytes (acceptor-max-header-bytes acceptor)))
     (unless (and (integerp bytes) (<= 1024 bytes (* 1024 1024)))
       (error 'invalid-acceptor-configuration
@@ -108,3 +137,57 @@ Takes the same :SSL-CERTIFICATE-FILE, :SSL-PRIVATEKEY-FILE and
                                       hunchentoot:easy-ssl-acceptor)
   ()
   (:documentation "HUNCHENTOOT:EASY-SSL-ACCEPTOR served by a RECYCLING-TASKMASTER."))
+
+;;; Listening.
+
+(defmethod hunchentoot:start-listening ((acceptor parallel-acceptor))
+  "Serve the inherited :LISTEN-FD, or listen with SO_REUSEPORT when
+:REUSE-PORT is true; otherwise listen as Hunchentoot does."
+  (let ((fd (acceptor-listen-fd acceptor)))
+    (cond (fd
+           (unless (listening-descriptor-p fd)
+             (error 'invalid-acceptor-configuration
+                    :initarg :listen-fd :value fd
+                    :reason "is not a socket that listens"))
+           (setf (acceptor-listen-socket acceptor) (adopt-listening-descriptor fd)))
+          ((acceptor-reuse-port-p acceptor)
+           (setf (acceptor-listen-socket acceptor)
+                 (listen-on (listen-address-vector (hunchentoot:acceptor-address acceptor))
+                            (hunchentoot:acceptor-port acceptor)
+                            (hunchentoot:acceptor-listen-backlog acceptor)
+                            :reuse-port t)))
+          (t (call-next-method))))
+  (values))
+
+(defun systemd-listen-fd ()
+  "The listening descriptor systemd's socket activation (or
+systemd-socket-activate, or any supervisor following its protocol) passed
+to this process -- 3, when LISTEN_PID is this process and LISTEN_FDS at
+least 1 -- else NIL.  Give it as :LISTEN-FD.  Only the first descriptor
+passed is taken."
+  (let ((listen-pid (uiop:getenv "LISTEN_PID"))
+        (listen-fds (uiop:getenv "LISTEN_FDS")))
+    (and listen-pid listen-fds
+         (eql (parse-integer listen-pid :junk-allowed t) (process-id))
+         (let ((count (parse-integer listen-fds :junk-allowed t)))
+           (and count (<= 1 count)))
+         3)))
+
+(defun listen-address-vector (address)
+  "The octets of the address ADDRESS (text, a host name, or NIL for every
+IPv4 address) names."
+  (cond ((null address) (vector 0 0 0 0))
+        ((find #\: address) (usocket:ipv6-host-to-vector address))
+        ((every (lambda (char) (or (digit-char-p char) (char= char #\.))) address)
+         (usocket:dotted-quad-to-vector-quad address))
+        (t (usocket:get-host-by-name address))))
+
+(defun release-listen-socket (acceptor)
+  "Close ACCEPTOR's listening socket, unless it was inherited: that one is
+handed back as it came, blocking and listening."
+  (let ((socket (shiftf (acceptor-listen-socket acceptor) nil)))
+    (when socket
+      (if (acceptor-listen-fd acceptor)
+          (ignore-errors (set-blocking socket))
+          (ignore-errors (usocket:socket-close socket))))))
+

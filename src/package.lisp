@@ -15,6 +15,9 @@
    #:acceptor-header-timeout
    #:acceptor-keep-alive-timeout
    #:acceptor-queue-timeout
+   #:acceptor-reuse-port-p
+   #:acceptor-listen-fd
+   #:systemd-listen-fd
    #:acceptor-max-header-bytes
 
    ;; The taskmaster and its configuration.

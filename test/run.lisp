@@ -1,7 +1,7 @@
 ;;;; `make test`: run every test, exit 0 only when none failed.
 ;;;; SUITE in the environment names one suite (http, pool, overload,
-;;;; request-head, readiness, saturation, bodies, replies, garbage-input, extension-points, stop,
-;;;; descriptor-limit).
+;;;; request-head, readiness, saturation, bodies, replies, listening, garbage-input,
+;;;; extension-points, stop, descriptor-limit).
 
 (load (merge-pathnames "../tools/setup.lisp" *load-truename*))
 (asdf:load-system "hunchentoot-recycling-taskmaster/test")

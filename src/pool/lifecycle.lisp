@@ -172,8 +172,7 @@ Here the taskmaster does both, within its STOP-TIMEOUT."
           (setf (acceptor-shutting-down-p acceptor) t
                 (soft-stop-p taskmaster) soft)
           (hunchentoot:shutdown taskmaster)
-          (usocket:socket-close (acceptor-listen-socket acceptor))
-          (setf (acceptor-listen-socket acceptor) nil)))))
+          (release-listen-socket acceptor)))))
 
 (defun abandon-acceptor (acceptor)
   "Tear ACCEPTOR down by force, for when HUNCHENTOOT:STOP cannot: every
@@ -189,8 +188,5 @@ code (malloc, OpenSSL) is ever released."
   (let ((taskmaster (recycling-taskmaster-of acceptor)))
     (when taskmaster
       (abandon-pool taskmaster)))
-  (let ((listen-socket (acceptor-listen-socket acceptor)))
-    (when listen-socket
-      (ignore-errors (usocket:socket-close listen-socket))
-      (setf (acceptor-listen-socket acceptor) nil)))
+  (release-listen-socket acceptor)
   acceptor)

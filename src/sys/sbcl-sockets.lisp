@@ -34,6 +34,9 @@ __EPOLL_PACKED), naturally aligned elsewhere.")
 (defconstant +sock-cloexec+ #o2000000)
 (defconstant +shut-wr+ 1)
 (defconstant +shut-rdwr+ 2)
+(defconstant +sol-socket+ 1)
+(defconstant +so-reuseport+ 15)
+(defconstant +so-acceptconn+ 30)
 
 (defun socket-file-descriptor (usocket)
   (sb-bsd-sockets:socket-file-descriptor (usocket:socket usocket)))
@@ -115,6 +118,72 @@ it wakes every waiter of an epoll set, now and later."
   "A descriptor on /dev/null, kept to be given up when the process has no
 other: its number, or NIL when none could be opened."
   (sb-unix:unix-open "/dev/null" sb-unix:o_rdonly 0))
+
+;;; Listening sockets.
+
+(defun socket-option (fd option)
+  "The integer value of the SOL_SOCKET option OPTION of FD."
+  (sb-alien:with-alien ((value sb-alien:int) (length sb-alien:unsigned))
+    (setf length 4)
+    (unless (zerop (sb-alien:alien-funcall
+                    (sb-alien:extern-alien "getsockopt" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int
+                                                                  (* sb-alien:int) (* sb-alien:unsigned)))
+                    fd +sol-socket+ option (sb-alien:addr value) (sb-alien:addr length)))
+      (foreign-error "getsockopt"))
+    value))
+
+(defun (setf socket-option) (value fd option)
+  (sb-alien:with-alien ((option-value sb-alien:int))
+    (setf option-value value)
+    (unless (zerop (sb-alien:alien-funcall
+                    (sb-alien:extern-alien "setsockopt" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int
+                                                                  (* sb-alien:int) sb-alien:unsigned))
+                    fd +sol-socket+ option (sb-alien:addr option-value) 4))
+      (foreign-error "setsockopt"))
+    value))
+
+(defun listen-on (address-vector port backlog &key reuse-port)
+  "A usocket listening on ADDRESS-VECTOR (4 octets for IPv4, 16 for IPv6) and
+PORT, with SO_REUSEADDR, and SO_REUSEPORT when REUSE-PORT: then every
+socket of the machine's processes bound so to the same address and port
+takes a share of the connections, which the kernel spreads."
+  (let ((socket (make-instance (if (= 16 (length address-vector))
+                                   'sb-bsd-sockets:inet6-socket
+                                   'sb-bsd-sockets:inet-socket)
+                               :type :stream :protocol :tcp)))
+    (handler-bind ((error (lambda (condition)
+                            (declare (ignore condition))
+                            (sb-bsd-sockets:socket-close socket))))
+      (usocket:with-mapped-conditions ()
+        (setf (sb-bsd-sockets:sockopt-reuse-address socket) t)
+        (when reuse-port
+          (setf (socket-option (sb-bsd-sockets:socket-file-descriptor socket) +so-reuseport+) 1))
+        (sb-bsd-sockets:socket-bind socket address-vector port)
+        (sb-bsd-sockets:socket-listen socket backlog)))
+    (make-instance 'usocket:stream-server-usocket :socket socket :element-type '(unsigned-byte 8))))
+
+(defun listening-descriptor-p (fd)
+  "True when FD is a socket that listens."
+  (ignore-errors (= 1 (socket-option fd +so-acceptconn+))))
+
+(defun adopt-listening-descriptor (fd)
+  "A usocket for FD, a TCP socket that already listens (inherited from a
+supervisor, as with systemd's socket activation)."
+  (let* ((ipv6-p (find #\: (socket-address fd :local)))
+         (socket (make-instance (if ipv6-p 'sb-bsd-sockets:inet6-socket 'sb-bsd-sockets:inet-socket)
+                                :type :stream :protocol :tcp :descriptor fd)))
+    ;; SB-BSD-SOCKETS closes a socket's descriptor when the object is
+    ;; collected; this one stays the supervisor's, and its number may by
+    ;; then belong to another socket.
+    (sb-ext:cancel-finalization socket)
+    (make-instance 'usocket:stream-server-usocket :socket socket :element-type '(unsigned-byte 8))))
+
+(defun process-id ()
+  (sb-unix:unix-getpid))
+
+(defun set-blocking (usocket)
+  "Undo SET-NON-BLOCKING, for a socket handed back to whoever gave it."
+  (setf (sb-bsd-sockets:non-blocking-mode (usocket:socket usocket)) nil))
 
 (defun set-non-blocking (usocket)
   "Make accept(2) on the listening USOCKET return at once when nothing is

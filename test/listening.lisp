@@ -1,0 +1,135 @@
+;;;; Listening sockets: several processes on one port with :REUSE-PORT, and
+;;;; an inherited listening descriptor that STOP and ABANDON-ACCEPTOR leave
+;;;; listening.
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite listening :in all :description "SO_REUSEPORT and inherited listening sockets.")
+(in-suite listening)
+
+(ht:define-easy-handler (test-pid :uri "/test/pid") ()
+  (setf (ht:content-type*) "text/plain")
+  (princ-to-string (sb-unix:unix-getpid)))
+
+(defun start-reuse-port-child (port)
+  "A child SBCL serving /test/pid, its own PID, on PORT with :REUSE-PORT."
+  (uiop:launch-program
+   (list "sbcl" "--noinform" "--non-interactive" "--disable-debugger"
+         "--load" (namestring (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster"
+                                                             "tools/setup.lisp"))
+         "--eval" "(asdf:load-system \"hunchentoot-recycling-taskmaster\")"
+         "--eval" (format nil "(progn (hunchentoot:define-easy-handler (pid :uri \"/test/pid\") () ~
+                                        (princ-to-string (sb-unix:unix-getpid))) ~
+                                      (hunchentoot:start (make-instance ~
+                                        'hunchentoot-recycling-taskmaster:parallel-easy-acceptor ~
+                                        :address \"127.0.0.1\" :port ~D :reuse-port t ~
+                                        :access-log-destination nil :message-log-destination nil)) ~
+                                      (sleep 120))"
+                          port))
+   :output nil :error-output nil))
+
+(defun pid-of-answer (port)
+  "The PID that GET /test/pid on a new connection to PORT answers, or NIL."
+  (handler-case
+      (bt:with-timeout (10)
+        (multiple-value-bind (body status)
+            (drakma:http-request (format nil "http://127.0.0.1:~D/test/pid" port) :connection-timeout 5)
+          (and (eql status 200) (parse-integer body :junk-allowed t))))
+    (serious-condition () nil)))
+
+(test listening.reuse-port-shares-a-port-between-processes
+  (with-server (server (make-server 'parallel-easy-acceptor :reuse-port t))
+    (let* ((port (ht:acceptor-port server))
+           (our-pid (sb-unix:unix-getpid))
+           (child (start-reuse-port-child port)))
+      (unwind-protect
+           (let ((child-pid (uiop:process-info-pid child)))
+             ;; The child takes a share of the port once it listens.
+             (is (wait-until (lambda () (eql child-pid (pid-of-answer port))) :timeout 60 :interval 0.2)
+                 "the child process answers on the shared port")
+             (let ((pids (loop repeat 200 collect (pid-of-answer port))))
+               (is (notany #'null pids) "every request answered")
+               (is (member our-pid pids) "this process answered some of 200 requests")
+               (is (member child-pid pids) "the child answered some of 200 requests")))
+        (uiop:terminate-process child :urgent t)
+        (uiop:wait-process child)))))
+
+(test listening.port-in-use-without-reuse-port
+  (with-server (server (make-server 'parallel-easy-acceptor :reuse-port t))
+    (let ((other (make-server 'parallel-easy-acceptor :port (ht:acceptor-port server))))
+      (signals usocket:address-in-use-error (ht:start other))
+      (is (eql 200 (http-get server "/test/yo")) "the first acceptor still serves"))))
+
+(defun listening-fd (socket)
+  (sb-bsd-sockets:socket-file-descriptor (usocket:socket socket)))
+
+(test listening.inherited-descriptor-is-served-and-left-listening
+  (let* ((socket (usocket:socket-listen "127.0.0.1" 0 :reuse-address t :backlog 128
+                                                      :element-type '(unsigned-byte 8)))
+         (fd (listening-fd socket))
+         (port (usocket:get-local-port socket)))
+    (unwind-protect
+         (flet ((serve-once (stop)
+                  (with-thread-leak-check ()
+                    (let ((server (make-server 'parallel-easy-acceptor :listen-fd fd)))
+                      (ht:start server)
+                      (unwind-protect
+                           (progn
+                             (is (= port (ht:acceptor-port server)) "the port is read from the descriptor")
+                             (is (eql 200 (first (multiple-value-list (http-get server "/test/yo"))))))
+                        (funcall stop server))))
+                  ;; Still listening, also once the acceptor's socket object
+                  ;; is garbage: the kernel completes a connection to it.
+                  (sb-ext:gc :full t)
+                  (let ((client (connect-to-port port)))
+                    (is-true client "a connection is accepted into the backlog after the acceptor stopped")
+                    (usocket:socket-close client))))
+           (serve-once #'ht:stop)
+           (serve-once #'abandon-acceptor)
+           (serve-once #'ht:stop))
+      (usocket:socket-close socket))))
+
+(test listening.inherited-descriptor-must-listen
+  (let ((server (make-server 'parallel-easy-acceptor :listen-fd 0)))
+    (signals invalid-acceptor-configuration (ht:start server))))
+
+(defun demo-under-socket-activation (port output-file)
+  "The demo started as its systemd unit starts it, on a socket that
+systemd-socket-activate listens on at PORT and passes on the first
+connection; its output goes to OUTPUT-FILE."
+  (uiop:launch-program
+   (list "systemd-socket-activate" "-l" (format nil "127.0.0.1:~D" port)
+         "sbcl" "--noinform" "--non-interactive" "--disable-debugger"
+         "--load" (namestring (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster"
+                                                             "tools/setup.lisp"))
+         "--eval" "(asdf:load-system \"hunchentoot-recycling-taskmaster/demo\")"
+         "--eval" "(hunchentoot-recycling-taskmaster-demo:main)")
+   :output output-file :if-output-exists :supersede :error-output :output))
+
+(test listening.demo-under-socket-activation-serves-and-exits-0-on-sigterm
+  (let ((port (free-port))
+        (output (uiop:with-temporary-file (:pathname path :keep t) path)))
+    (unwind-protect
+         (let ((demo (demo-under-socket-activation port output)))
+           (unwind-protect
+                (progn
+                  (is (wait-until (lambda () (ignore-errors (usocket:socket-close (connect-to-port port)) t))
+                                  :timeout 10)
+                      "systemd-socket-activate listens")
+                  ;; The first request starts the demo, which finds it in the backlog.
+                  (multiple-value-bind (body status)
+                      (handler-case (bt:with-timeout (90)
+                                      (drakma:http-request (format nil "http://127.0.0.1:~D/yo" port)
+                                                           :connection-timeout 10))
+                        (serious-condition () nil))
+                    (is (eql 200 status) "the demo answers on the passed socket")
+                    (is (equal "Hey!" body)))
+                  (is (search "the socket systemd passed" (uiop:read-file-string output))
+                      "the demo served the passed descriptor: ~S" (uiop:read-file-string output))
+                  (uiop:terminate-process demo)
+                  (is (eql 0 (uiop:wait-process demo)) "SIGTERM ends the demo with exit code 0")
+                  (is (search "SIGTERM: stopped after" (uiop:read-file-string output))))
+             (when (uiop:process-alive-p demo)
+               (uiop:terminate-process demo :urgent t)
+               (uiop:wait-process demo))))
+      (ignore-errors (delete-file output)))))
