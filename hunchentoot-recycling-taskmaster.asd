@@ -32,7 +32,8 @@ bytes, with acceptors that use it by default."
                                               (:file "reply")
                                               (:file "readiness-engine")
                                               (:file "saturated-pool")
-                                              (:file "readiness-protocol"))))
+                                              (:file "readiness-protocol")))
+               (:file "metrics"))
   :in-order-to ((test-op (test-op "hunchentoot-recycling-taskmaster/test"))))
 
 (defsystem "hunchentoot-recycling-taskmaster/test"
@@ -54,6 +55,7 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (:file "request-bodies")
                (:file "replies")
                (:file "listening")
+               (:file "metrics")
                (:file "garbage-input")
                (:file "extension-points")
                (:file "stop")

@@ -25,6 +25,10 @@
   (format nil "~{~(~A~): ~A~%~}"
           (hunchentoot-recycling-taskmaster:taskmaster-statistics hunchentoot:*acceptor*)))
 
+(hunchentoot:define-easy-handler (metrics :uri "/metrics") ()
+  (setf (hunchentoot:content-type*) "text/plain; version=0.0.4")
+  (hunchentoot-recycling-taskmaster:prometheus-metrics hunchentoot:*acceptor*))
+
 (defun static-directory ()
   (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster" "demo/static/"))
 
@@ -56,7 +60,7 @@ activation (demo/*.socket), serve the socket it passed instead."
                                   :document-root (static-directory))))
     (hunchentoot:start acceptor)
     (format t "~&Serving ~:[http://~A:~D/~;~*the socket systemd passed, port ~D~] ~
-               (try /yo, /hello?name=you, /slow?ms=500, /stats, /index.html). Ctrl-C stops.~%"
+               (try /yo, /hello?name=you, /slow?ms=500, /stats, /metrics, /index.html). Ctrl-C stops.~%"
             listen-fd address (hunchentoot:acceptor-port acceptor))
     (finish-output)
     (let ((signal (wait-for-termination-signal)))

@@ -29,6 +29,7 @@
 
    ;; Observing a running pool.
    #:taskmaster-statistics
+   #:prometheus-metrics
 
    ;; Conditions.
    #:recycling-taskmaster-error

@@ -150,7 +150,9 @@ octets."
           (t
            (let* ((stream (connection-stream connection))
                   (body-p (request-has-body-p headers))
-                  (outcome nil))
+                  (started (get-internal-real-time))
+                  (outcome nil)
+                  (status nil))
              (multiple-value-bind (content-stream buffered chunked-p)
                  (if body-p (content-stream-for headers stream buffer head-end end) stream)
                (when (expects-continue-p headers)
@@ -165,10 +167,12 @@ octets."
                                        ;; conditions: the stream tells.
                                        (when (malformed-body-unanswered-p content-stream chunked-p)
                                          (return-from answer-buffered-request (values :refuse 400))))))
-                      (setf outcome (answer-request acceptor head (connection-addresses connection)
-                                                    stream content-stream chunked-p)))
+                      (setf (values outcome status)
+                            (answer-request acceptor head (connection-addresses connection)
+                                            stream content-stream chunked-p)))
                  ;; Also when the request failed: a soft STOP waits for it.
                  (note-request-finished taskmaster worker :answered (and outcome t)))
+               (count-answered-request (engine-readiness-set engine) status started)
                (ecase outcome
                  (:detached :let-go)
                  (:close :close)

@@ -57,6 +57,15 @@
   (print-unreadable-object (connection stream :type t :identity t)
     (format stream "fd ~D ~S" (connection-fd connection) (connection-state connection))))
 
+(defparameter *duration-bucket-seconds* #(0.0005 0.001 0.0025 0.005 0.01 0.025 0.05 0.1 0.25 0.5 1 2.5 5 10)
+  "The upper bounds of the request-duration histogram's buckets, in seconds.")
+
+(defparameter *duration-bucket-units*
+  (map '(simple-array fixnum (*)) (lambda (seconds) (round (* seconds internal-time-units-per-second)))
+       *duration-bucket-seconds*)
+  "The same bounds in internal time units, so that counting a request conses
+nothing.")
+
 (defstruct (connection-counters (:constructor make-connection-counters ()))
   "What the readiness sets of one engine have counted, ever.  The engine
 keeps it from run to run; each run's set counts into it."
@@ -66,7 +75,18 @@ keeps it from run to run; each run's set counts into it."
   (keep-alive-timeouts 0 :type word)
   ;; Per status of *HEAD-REFUSALS*, the heads refused with it.
   (refused-heads (make-array (length *head-refusals*) :element-type 'word :initial-element 0)
-   :type (simple-array word (*)) :read-only t))
+   :type (simple-array word (*)) :read-only t)
+  ;; Replies of every kind by status class: index 1 to 5 for 1xx to 5xx.
+  (replies-by-class (make-array 6 :element-type 'word :initial-element 0)
+   :type (simple-array word (*)) :read-only t)
+  ;; Requests answered through a handler, by duration (from the complete
+  ;; head to the flushed reply): one count per bound of
+  ;; +DURATION-BUCKET-SECONDS+ the duration is within and above the one
+  ;; before, then one for longer ones.
+  (duration-counts (make-array (1+ (length *duration-bucket-seconds*)) :element-type 'word :initial-element 0)
+   :type (simple-array word (*)) :read-only t)
+  ;; The sum of those durations, in microseconds.
+  (duration-microseconds 0 :type word))
 
 (defstruct (readiness-set (:constructor %make-readiness-set))
   (epoll-fd -1 :type fixnum :read-only t)
@@ -164,10 +184,30 @@ worker whose accept(2) failed, before it lets another accept."
 (defun count-accepted-connection (set)
   (atomic-increment (connection-counters-accepted (readiness-set-counters set))))
 
+(defun count-reply (counters status)
+  "Count a reply with STATUS in its class."
+  (when (and (integerp status) (<= 100 status 599))
+    (atomic-increment (aref (connection-counters-replies-by-class counters) (floor status 100)))))
+
 (defun count-refused-head (set status)
-  (let ((index (position status *head-refusals* :key #'first)))
+  (let ((index (position status *head-refusals* :key #'first))
+        (counters (readiness-set-counters set)))
+    (count-reply counters status)
     (when index
-      (atomic-increment (aref (connection-counters-refused-heads (readiness-set-counters set)) index)))))
+      (atomic-increment (aref (connection-counters-refused-heads counters) index)))))
+
+(defun count-answered-request (set status started)
+  "Count a request answered through a handler with STATUS, whose head was
+complete at STARTED (internal real time)."
+  (let* ((counters (readiness-set-counters set))
+         (units (max 0 (- (get-internal-real-time) started)))
+         (bounds *duration-bucket-units*)
+         (bucket (or (position-if (lambda (bound) (<= units bound)) bounds) (length bounds))))
+    (declare (type fixnum units) (type (simple-array fixnum (*)) bounds))
+    (count-reply counters status)
+    (atomic-increment (aref (connection-counters-duration-counts counters) bucket))
+    (atomic-add (connection-counters-duration-microseconds counters)
+                (floor (* units 1000000) internal-time-units-per-second))))
 
 ;;; The table.
 
@@ -321,6 +361,14 @@ none runs) holds now, and what COUNTERS counted ever."
          :open-connections (if set (readiness-set-connection-count set) 0)
          :connections-accepted (connection-counters-accepted counters)
          :keep-alive-timeouts (connection-counters-keep-alive-timeouts counters)
+         :replies-by-class (loop for class from 1 to 5
+                                 collect (cons class (aref (connection-counters-replies-by-class counters) class)))
+         :request-duration-buckets (loop for bound across *duration-bucket-seconds*
+                                         for count across (connection-counters-duration-counts counters)
+                                         sum count into cumulative
+                                         collect (cons bound cumulative))
+         :request-duration-count (reduce #'+ (connection-counters-duration-counts counters))
+         :request-duration-seconds (/ (connection-counters-duration-microseconds counters) 1000000)
          (loop for (nil key) in *head-refusals*
                for count across (connection-counters-refused-heads counters)
                collect key

@@ -109,21 +109,23 @@ CONTENT-STREAM, and CHUNKED-P says that it decodes a chunked body: it is
 then also the stream the reply is written to, which is how Hunchentoot
 tells that the body is chunked.  Returns :KEEP-ALIVE, :CLOSE (the reply ends
 the connection) or :DETACHED (a handler called HUNCHENTOOT:DETACH-SOCKET and
-owns the connection now)."
+owns the connection now), and the reply's status code."
   (with-request-bindings ()
     (setf (current-connection-stream) (if chunked-p content-stream connection-stream))
-    (let ((hunchentoot:*reply* (make-instance (hunchentoot:acceptor-reply-class acceptor)))
-          (hunchentoot:*session* nil))
-      (call-with-request-counted
-       acceptor
-       (lambda ()
-         (hunchentoot:process-request (make-request acceptor head addresses content-stream)))))
-    (finish-output (current-connection-stream))
-    (setf (current-connection-stream)
-          (hunchentoot:reset-connection-stream acceptor (current-connection-stream)))
-    (cond ((not (close-connection-stream-p)) :detached)
-          ((finish-processing-connection-p) :close)
-          (t :keep-alive))))
+    (let ((reply (make-instance (hunchentoot:acceptor-reply-class acceptor))))
+      (let ((hunchentoot:*reply* reply)
+            (hunchentoot:*session* nil))
+        (call-with-request-counted
+         acceptor
+         (lambda ()
+           (hunchentoot:process-request (make-request acceptor head addresses content-stream)))))
+      (finish-output (current-connection-stream))
+      (setf (current-connection-stream)
+            (hunchentoot:reset-connection-stream acceptor (current-connection-stream)))
+      (values (cond ((not (close-connection-stream-p)) :detached)
+                    ((finish-processing-connection-p) :close)
+                    (t :keep-alive))
+              (hunchentoot:return-code reply)))))
 
 ;;; A request the engine answers by itself.
 

@@ -22,7 +22,14 @@ head: :BAD-REQUEST-REPLIES (400: malformed, ambiguous framing, missing or invali
 :HEADER-TIMEOUT-REPLIES (408), :LENGTH-REQUIRED-REPLIES (411, a chunked
 body to an acceptor without input chunking), :URI-TOO-LONG-REPLIES (414),
 :HEADER-TOO-LARGE-REPLIES (431), :NOT-IMPLEMENTED-REPLIES (501, a transfer
-coding other than chunked) and :VERSION-NOT-SUPPORTED-REPLIES (505).
+coding other than chunked), :QUEUE-TIMEOUT-REPLIES (503, a complete request
+that waited QUEUE-TIMEOUT for a worker) and :VERSION-NOT-SUPPORTED-REPLIES
+(505); :REPLIES-BY-CLASS, an alist from 1 to 5 (1xx to 5xx) to the replies
+of that class, refusals included; and the histogram of requests answered
+through a handler, by seconds from the complete head to the flushed reply:
+:REQUEST-DURATION-BUCKETS, an alist from each upper bound to the count of
+requests that took at most that long, :REQUEST-DURATION-COUNT and
+:REQUEST-DURATION-SECONDS (their sum).  PROMETHEUS-METRICS formats them.
 The order of keys is unspecified.  The pool's counts are taken under its
 lock in one go; the engine's counts and :REQUESTS-SERVED may lag by the
 work finishing while they are read."))

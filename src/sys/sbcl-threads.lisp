@@ -31,6 +31,10 @@ does not do by itself."
   "Add one to PLACE, a structure slot of type WORD; returns the old value."
   `(sb-ext:atomic-incf ,place))
 
+(defmacro atomic-add (place amount)
+  "Add AMOUNT to PLACE, a structure slot of type WORD; returns the old value."
+  `(sb-ext:atomic-incf ,place ,amount))
+
 (defmacro atomic-decrement (place)
   "Subtract one from PLACE, a structure slot of type WORD; returns the old value."
   `(sb-ext:atomic-decf ,place))
