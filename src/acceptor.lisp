@@ -65,7 +65,7 @@ supervisor (systemd's socket activation passes the first as 3), served
 instead of a socket of the acceptor's own; :ADDRESS and :PORT are then
 ignored, and the port is read from the socket.  STOP and ABANDON-ACCEPTOR
 never close it: it stays the supervisor's, listening, for the next START
-or the next process.")
+or the next process.  It is left non-blocking.")
    (max-header-bytes
     :initarg :max-header-bytes :reader acceptor-max-header-bytes
     :documentation "The largest header block (the lines after the request
@@ -183,11 +183,9 @@ IPv4 address) names."
         (t (usocket:get-host-by-name address))))
 
 (defun release-listen-socket (acceptor)
-  "Close ACCEPTOR's listening socket, unless it was inherited: that one is
-handed back as it came, blocking and listening."
+  "Close ACCEPTOR's listening socket, unless it was inherited: that one stays
+open and listening (and non-blocking: another acceptor may share it)."
   (let ((socket (shiftf (acceptor-listen-socket acceptor) nil)))
-    (when socket
-      (if (acceptor-listen-fd acceptor)
-          (ignore-errors (set-blocking socket))
-          (ignore-errors (usocket:socket-close socket))))))
+    (when (and socket (not (acceptor-listen-fd acceptor)))
+      (ignore-errors (usocket:socket-close socket)))))
 

@@ -133,3 +133,38 @@ connection; its output goes to OUTPUT-FILE."
                (uiop:terminate-process demo :urgent t)
                (uiop:wait-process demo))))
       (ignore-errors (delete-file output)))))
+
+(defun get-yo-on-new-connection (port)
+  "The status of GET /test/yo on a new connection to PORT, or NIL."
+  (handler-case
+      (let ((socket (connect-to-port port)))
+        (unwind-protect
+             (progn (send-text socket (get-request "/test/yo" "Connection: close"))
+                    (read-response socket :timeout 10))
+          (ignore-errors (usocket:socket-close socket))))
+    (error () nil)))
+
+(test listening.restart-on-an-inherited-socket-loses-no-request
+  (let* ((socket (usocket:socket-listen "127.0.0.1" 0 :reuse-address t :backlog 1024
+                                                      :element-type '(unsigned-byte 8)))
+         (fd (listening-fd socket))
+         (port (usocket:get-local-port socket)))
+    (unwind-protect
+         (with-thread-leak-check ()
+           (flet ((start-one () (ht:start (make-server 'parallel-easy-acceptor :listen-fd fd))))
+             (let* ((serving (start-one))
+                    (clients (loop repeat 20
+                                   collect (in-thread (lambda ()
+                                                        (loop repeat 100
+                                                              count (eql 200 (get-yo-on-new-connection port))))))))
+               ;; Four restarts under the load: the new acceptor starts on the
+               ;; socket, then the old one stops softly.
+               (dotimes (restart 4)
+                 (sleep 0.3)
+                 (let ((next (start-one)))
+                   (ht:stop serving :soft t)
+                   (setf serving next)))
+               (let ((answered (reduce #'+ clients :key (lambda (client) (first (funcall client))))))
+                 (is (= 2000 answered) "~D of 2,000 requests answered 200 across 4 restarts" answered))
+               (ht:stop serving :soft t))))
+      (usocket:socket-close socket))))

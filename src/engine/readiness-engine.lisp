@@ -200,6 +200,7 @@ moves them there."
            (multiple-value-bind (outcome next)
                (answer-buffered-request engine worker connection
                                         request-start request-line-end head-end end)
+             (setf (connection-answered-p connection) t)
              (unless (eq outcome :keep-alive)
                (return (values outcome next)))
              (setf end next

@@ -40,6 +40,13 @@ pipelined requests."
 (defmethod engine-wake-workers ((engine readiness-engine))
   (wake-all-waiters (engine-readiness-set engine)))
 
+(defmethod engine-drain ((engine readiness-engine) deadline)
+  (let ((set (engine-readiness-set engine)))
+    (stop-accepting set)
+    (loop (cond ((zerop (unanswered-connection-count set)) (return t))
+                ((>= (get-internal-real-time) deadline) (return nil))
+                (t (sleep 0.01))))))
+
 (defmethod engine-close-idle-connections ((engine readiness-engine))
   (close-parked-connections (engine-readiness-set engine)))
 

@@ -37,6 +37,9 @@
   (pending nil)
   ;; True once the descriptor has been added to the epoll set.
   (armed-p nil)
+  ;; True once a request of this connection has been answered: before, a
+  ;; soft STOP waits for it (ENGINE-DRAIN).
+  (answered-p nil)
   ;; Internal real time at which a parked connection is ended.
   (deadline 0 :type fixnum)
   ;; What the client is answered at DEADLINE: 408 when it is the header
@@ -97,6 +100,9 @@ keeps it from run to run; each run's set counts into it."
   ;; (EMFILE, ENFILE), and the listening socket is left disarmed until the
   ;; next sweep, instead of a worker sleeping or spinning on it.
   (accept-paused-p nil)
+  ;; True once accepting has stopped for good, for a soft STOP: the
+  ;; listening socket is never armed again.
+  (accepting-stopped-p nil)
   ;; A descriptor held in reserve, so that a message can still be logged when
   ;; the process has no other free (Hunchentoot opens the log file for every
   ;; message); NIL when none could be kept.
@@ -165,7 +171,27 @@ worker whose accept(2) failed, before it lets another accept."
       (setf (readiness-set-spare-fd set) (open-spare-fd)))))
 
 (defun rearm-listen-socket (set)
-  (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+))
+  "Arm the listening socket again, unless accepting has stopped: looked at
+again after arming, since STOP-ACCEPTING may have disarmed it meanwhile."
+  (unless (readiness-set-accepting-stopped-p set)
+    (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+)
+    (memory-barrier)
+    (when (readiness-set-accepting-stopped-p set)
+      (epoll-disarm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+))))
+
+(defun stop-accepting (set)
+  "Take no connection from the listening socket any more."
+  (setf (readiness-set-accepting-stopped-p set) t)
+  (memory-barrier)
+  (epoll-disarm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+))
+
+(defun unanswered-connection-count (set)
+  "Connections in SET's table none of whose requests has been answered yet."
+  (count-if (lambda (connection)
+              (and connection
+                   (not (connection-answered-p connection))
+                   (not (eq (connection-state connection) :closed))))
+            (readiness-set-slots set)))
 
 (defun pause-accepting (set)
   "Leave the listening socket disarmed until RESUME-ACCEPTING."

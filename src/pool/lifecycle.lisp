@@ -93,8 +93,11 @@ does not end."
   "End the pool within STOP-TIMEOUT: stop taking work, close idle
 connections, let requests in flight finish when the stop is soft (cut their
 connections when it is hard, or when the time is up), and join every thread."
+  (shut-down-by taskmaster (deadline-in (taskmaster-stop-timeout taskmaster))))
+
+(defun shut-down-by (taskmaster deadline)
+  "HUNCHENTOOT:SHUTDOWN of TASKMASTER, done by DEADLINE (internal real time)."
   (let ((engine (taskmaster-engine taskmaster))
-        (deadline (deadline-in (taskmaster-stop-timeout taskmaster)))
         (threads (with-pool-lock (taskmaster)
                    (remove nil (mapcar #'worker-thread (pool-workers taskmaster))))))
     (begin-shutdown taskmaster)
@@ -164,14 +167,21 @@ below zero."
 (defmethod hunchentoot:stop ((acceptor parallel-acceptor) &key soft)
   "Hunchentoot's STOP, bounded: its soft stop waits for requests in flight
 without a deadline, and it wakes the listener with a connection of its own.
-Here the taskmaster does both, within its STOP-TIMEOUT."
+Here the taskmaster does both, within its STOP-TIMEOUT.  A soft stop first
+stops accepting and lets connections already accepted send and get their
+first request (ENGINE-DRAIN, half the STOP-TIMEOUT at most)."
   (let ((taskmaster (recycling-taskmaster-of acceptor)))
     (if (null taskmaster)
         (call-next-method)
-        (progn
+        (let ((deadline (deadline-in (taskmaster-stop-timeout taskmaster))))
+          (when soft
+            ;; Half of the stop's time at most, so that the rest of STOP
+            ;; has the other half.
+            (engine-drain (taskmaster-engine taskmaster)
+                          (deadline-in (/ (taskmaster-stop-timeout taskmaster) 2))))
           (setf (acceptor-shutting-down-p acceptor) t
                 (soft-stop-p taskmaster) soft)
-          (hunchentoot:shutdown taskmaster)
+          (shut-down-by taskmaster deadline)
           (release-listen-socket acceptor)))))
 
 (defun abandon-acceptor (acceptor)

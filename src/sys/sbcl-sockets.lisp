@@ -81,6 +81,10 @@ FD once it has been reported to one waiter, until EPOLL-REARM."
   (epoll-control epoll-fd +epoll-ctl-mod+ fd token
                  (logior +epollin+ +epollrdhup+ +epolloneshot+)))
 
+(defun epoll-disarm (epoll-fd fd token)
+  "Keep FD in the set but report nothing for it until it is armed again."
+  (epoll-control epoll-fd +epoll-ctl-mod+ fd token 0))
+
 (defun epoll-wait-one (epoll-fd milliseconds)
   "Wait up to MILLISECONDS for one ready descriptor: its token, :TIMEOUT, or
 :INTERRUPTED (EINTR: SBCL stops every thread with a signal for garbage
@@ -180,10 +184,6 @@ supervisor, as with systemd's socket activation)."
 
 (defun process-id ()
   (sb-unix:unix-getpid))
-
-(defun set-blocking (usocket)
-  "Undo SET-NON-BLOCKING, for a socket handed back to whoever gave it."
-  (setf (sb-bsd-sockets:non-blocking-mode (usocket:socket usocket)) nil))
 
 (defun set-non-blocking (usocket)
   "Make accept(2) on the listening USOCKET return at once when nothing is
