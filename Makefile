@@ -3,6 +3,7 @@
 # make bench   the benchmark matrix, 3 rounds of 5 s a cell; make bench-quick: 1 round of 2 s, 100 connections
 # make bench-connections   10,000 kept-alive connections for 60 s
 # make bench-slowloris     1,000 slowloris connections for 60 s
+# make bench-scale         1, 2 and one-per-core processes on one port, and behind nginx
 # Each target installs the Debian packages it needs first (make deps).
 
 PORT ?= 4242
@@ -12,7 +13,7 @@ LIBRARY_PACKAGES = sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-flexi-s
 TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd
 BENCH_PACKAGES = wrk nginx-light cl-aserve gnuplot-nox procps curl
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-connections bench-slowloris
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-connections bench-slowloris bench-scale
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -46,3 +47,6 @@ bench-connections: bench-deps
 
 bench-slowloris: bench-deps
 	bench/run slowloris
+
+bench-scale: bench-deps
+	bench/run scale

@@ -73,7 +73,8 @@ the wrk matrix that measures them, and the many-connection loads."
   :components ((:file "server")
                (:file "driver")
                (:file "connections")
-               (:file "profile")))
+               (:file "profile")
+               (:file "scale")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
   :description "The demo server that `make run` starts."

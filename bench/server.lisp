@@ -6,7 +6,7 @@
 (defpackage #:hunchentoot-recycling-taskmaster-bench
   (:use #:cl)
   (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster))
-  (:export #:serve #:run-benchmarks #:run-connection-load #:run-profile))
+  (:export #:serve #:run-benchmarks #:run-connection-load #:run-profile #:run-scale))
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
@@ -87,15 +87,16 @@ last reset, on one line."
   ;; 100 is the thread budget Hunchentoot's default taskmaster has.
   (net.aserve:start :host "127.0.0.1" :port port :listeners 100))
 
-(defun start-server (kind port)
+(defun start-server (kind port &key reuse-port)
   (ecase kind
     (:hunchentoot (start-hunchentoot port 'ht:easy-acceptor))
-    (:parallel (start-hunchentoot port 'hrt:parallel-easy-acceptor))
+    (:parallel (start-hunchentoot port 'hrt:parallel-easy-acceptor :reuse-port reuse-port))
     (:aserve (start-aserve port))))
 
-(defun serve (kind port &key (delay-ms 0))
-  "Start the server KIND on 127.0.0.1:PORT and serve until killed."
+(defun serve (kind port &key (delay-ms 0) reuse-port)
+  "Start the server KIND on 127.0.0.1:PORT (with SO_REUSEPORT when
+REUSE-PORT, ours only) and serve until killed."
   (setf *handler-delay* (and (plusp delay-ms) (/ delay-ms 1000)))
-  (start-server kind port)
+  (start-server kind port :reuse-port reuse-port)
   (bt:make-thread #'sample-thread-count-forever :name "bench thread-count sampler")
   (loop (sleep 3600)))
