@@ -36,7 +36,11 @@ concurrency.  QUICK keeps 100 connections only."
     (prog1 (usocket:get-local-port socket)
       (usocket:socket-close socket))))
 
-(defun nginx-config (directory port)
+(defun nginx-config (directory port &key upstream-ports)
+  "nginx.conf for 2 workers on PORT, its files in DIRECTORY: answering /yo
+itself, or, given UPSTREAM-PORTS, proxying to them as README's
+configuration does (kept-alive upstream connections, closed before our
+keep-alive timeout)."
   (format nil "worker_processes 2;
 daemon off;
 master_process on;
@@ -51,24 +55,40 @@ http {
   fastcgi_temp_path ~A;
   uwsgi_temp_path ~A;
   scgi_temp_path ~A;
-  server {
+~:[  server {
     listen 127.0.0.1:~D;
     location /yo { default_type text/plain; return 200 \"Hey!\"; }
+  }~;  upstream lisp {
+~{    server 127.0.0.1:~D;~%~}    keepalive 64;
+    keepalive_timeout 4s;
   }
+  server {
+    listen 127.0.0.1:~D;
+    location / {
+      proxy_pass http://lisp;
+      proxy_http_version 1.1;
+      proxy_set_header Connection \"\";
+    }
+  }~]
 }
-" directory directory directory directory directory directory directory port))
+" directory directory directory directory directory directory directory
+          upstream-ports (or upstream-ports port) port))
+
+(defun launch-nginx (port &key upstream-ports (log-file nil))
+  "Start nginx on PORT (see NGINX-CONFIG) in a directory of its own; its process-info."
+  (let* ((directory (format nil "~A/" (string-right-trim
+                                      '(#\Newline)
+                                      (uiop:run-program '("mktemp" "-d") :output :string))))
+         (config (concatenate 'string directory "nginx.conf")))
+    (with-open-file (out config :direction :output)
+      (write-string (nginx-config directory port :upstream-ports upstream-ports) out))
+    (uiop:launch-program (list "nginx" "-c" config "-p" directory "-e" (concatenate 'string directory "error.log"))
+                         :output log-file :error-output :output :if-output-exists :supersede)))
 
 (defun launch-server (server port delay-ms core log-file)
   "Start SERVER in a process of its own; its process-info."
   (if (getf server :nginx)
-      (let* ((directory (format nil "~A/" (string-right-trim
-                                          '(#\Newline)
-                                          (uiop:run-program '("mktemp" "-d") :output :string))))
-             (config (concatenate 'string directory "nginx.conf")))
-        (with-open-file (out config :direction :output)
-          (write-string (nginx-config directory port) out))
-        (uiop:launch-program (list "nginx" "-c" config "-p" directory "-e" (concatenate 'string directory "error.log"))
-                             :output log-file :error-output :output :if-output-exists :supersede))
+      (launch-nginx port :log-file log-file)
       (uiop:launch-program
        (list "sbcl" "--core" core "--noinform" "--non-interactive" "--disable-debugger"
              "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve ~S ~D :delay-ms ~D)"

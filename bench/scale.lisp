@@ -8,53 +8,12 @@
   (or (ignore-errors (parse-integer (uiop:run-program '("nproc") :output :string) :junk-allowed t))
       1))
 
-(defun upstream-nginx-config (directory port upstream-ports)
-  "nginx in front of UPSTREAM-PORTS, as README's configuration: kept-alive
-connections to the upstreams, closed before our keep-alive timeout."
-  (format nil "worker_processes 2;
-daemon off;
-master_process on;
-pid ~Anginx.pid;
-error_log ~Aerror.log;
-events { worker_connections 8192; }
-http {
-  access_log off;
-  keepalive_requests 1000000;
-  client_body_temp_path ~A;
-  proxy_temp_path ~A;
-  fastcgi_temp_path ~A;
-  uwsgi_temp_path ~A;
-  scgi_temp_path ~A;
-  upstream lisp {
-~{    server 127.0.0.1:~D;~%~}    keepalive 64;
-    keepalive_timeout 4s;
-  }
-  server {
-    listen 127.0.0.1:~D;
-    location / {
-      proxy_pass http://lisp;
-      proxy_http_version 1.1;
-      proxy_set_header Connection \"\";
-    }
-  }
-}
-" directory directory directory directory directory directory directory upstream-ports port))
-
 (defun launch-ours (port delay-ms core &key reuse-port)
   (uiop:launch-program
    (list "sbcl" "--core" core "--noinform" "--non-interactive" "--disable-debugger"
          "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve :parallel ~D :delay-ms ~D :reuse-port ~S)"
                           port delay-ms reuse-port))
    :output nil :error-output nil))
-
-(defun launch-upstream-nginx (port upstream-ports)
-  (let* ((directory (format nil "~A/" (string-right-trim '(#\Newline)
-                                                         (uiop:run-program '("mktemp" "-d") :output :string))))
-         (config (concatenate 'string directory "nginx.conf")))
-    (with-open-file (out config :direction :output)
-      (write-string (upstream-nginx-config directory port upstream-ports) out))
-    (uiop:launch-program (list "nginx" "-c" config "-p" directory "-e" (concatenate 'string directory "error.log"))
-                         :output nil :error-output nil)))
 
 (defun measure-scale-cell (processes front delay-ms &key core seconds connections)
   "Requests/s (and wrk's parsed summary) of PROCESSES processes of ours,
@@ -63,7 +22,7 @@ FRONT :DIRECT (one port, SO_REUSEPORT) or :NGINX (upstreams), at DELAY-MS."
          (upstream-ports (loop repeat processes collect (if (eq front :direct) port (free-port))))
          (servers (loop for upstream-port in upstream-ports
                         collect (launch-ours upstream-port delay-ms core :reuse-port (eq front :direct))))
-         (nginx (and (eq front :nginx) (launch-upstream-nginx port upstream-ports)))
+         (nginx (and (eq front :nginx) (launch-nginx port :upstream-ports upstream-ports)))
          (workload (list :delay-ms delay-ms :close nil :connections connections)))
     (unwind-protect
          (progn
