@@ -20,6 +20,8 @@ after it paused.")
 acceptor is stopped.")
    (counters :initform (make-connection-counters) :reader engine-counters
              :documentation "What the readiness sets of every run have counted.")
+   (object-constructors :initform nil :accessor engine-object-constructors
+                        :documentation "The OBJECT-CONSTRUCTORS of the current run.")
    (sweep-buffer :initform nil :accessor engine-sweep-buffer
                  :documentation "Where the thread-making thread peeks at what has
 arrived on parked connections while no worker is free (saturated-pool.lisp)."))

@@ -228,7 +228,10 @@ complete at STARTED (internal real time)."
   (let* ((counters (readiness-set-counters set))
          (units (max 0 (- (get-internal-real-time) started)))
          (bounds *duration-bucket-units*)
-         (bucket (or (position-if (lambda (bound) (<= units bound)) bounds) (length bounds))))
+         (bucket (loop for index of-type fixnum from 0 below (length bounds)
+                       when (<= units (aref bounds index))
+                         return index
+                       finally (return (length bounds)))))
     (declare (type fixnum units) (type (simple-array fixnum (*)) bounds))
     (count-reply counters status)
     (atomic-increment (aref (connection-counters-duration-counts counters) bucket))

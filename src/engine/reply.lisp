@@ -70,6 +70,15 @@ Hunchentoot's header stream writes them; a character outside Latin-1 as ?."
                   (incf position)))))
     (setf (reply-head-end head) position)))
 
+(defun push-decimal (integer head)
+  "Push the decimal digits of the non-negative INTEGER, consing nothing."
+  (declare (type (integer 0) integer))
+  (if (< integer 10)
+      (push-octet (+ 48 integer) head)
+      (multiple-value-bind (rest digit) (floor integer 10)
+        (push-decimal rest head)
+        (push-octet (+ 48 digit) head))))
+
 (defun push-crlf (head)
   (push-octet +cr+ head)
   (push-octet +lf+ head))
@@ -78,23 +87,25 @@ Hunchentoot's header stream writes them; a character outside Latin-1 as ?."
   "Push the header line NAME: VALUE.  A string value's lines become
 continuation lines and its empty lines are dropped, a number is written in
 decimal, anything else as PRINC writes it: as Hunchentoot writes headers."
-  (let ((text (typecase value
-                (string value)
-                (integer (let ((*print-base* 10) (*print-radix* nil)) (princ-to-string value)))
-                (t (princ-to-string value)))))
-    (push-text name head)
-    (push-octet #.(char-code #\:) head)
-    (push-octet #.(char-code #\Space) head)
-    (loop with first-p = t
-          for start = 0 then (1+ end)
-          for end = (or (position #\Newline text :start start) (length text))
-          do (when (< start end)
-               (unless first-p (push-octet #.(char-code #\Tab) head))
-               (push-text text head :start start :end end)
-               (push-crlf head)
-               (setf first-p nil))
-          while (< end (length text))
-          finally (when first-p (push-crlf head)))))
+  (push-text name head)
+  (push-octet #.(char-code #\:) head)
+  (push-octet #.(char-code #\Space) head)
+  (if (typep value '(integer 0))
+      (progn (push-decimal value head) (push-crlf head))
+      (push-header-value (if (stringp value) value (princ-to-string value)) head)))
+
+(defun push-header-value (text head)
+  "Push TEXT, a header's value, with its end of line."
+  (loop with first-p = t
+        for start = 0 then (1+ end)
+        for end = (or (position #\Newline text :start start) (length text))
+        do (when (< start end)
+             (unless first-p (push-octet #.(char-code #\Tab) head))
+             (push-text text head :start start :end end)
+             (push-crlf head)
+             (setf first-p nil))
+        while (< end (length text))
+        finally (when first-p (push-crlf head))))
 
 (defun make-status-line (return-code)
   (map 'octets #'char-code (format nil "HTTP/1.1 ~D ~A~C~C" return-code (hunchentoot:reason-phrase return-code)
@@ -174,10 +185,16 @@ known."
             ((not (header-out-set-p :connection))
              (setf (hunchentoot:header-out :connection) "Close"))))))
 
+(defvar *server-header-value* nil
+  "In a worker, its acceptor's server name, asked once: Hunchentoot formats
+it anew at every call.")
+
 (defun set-server-and-date-headers ()
   (unless (and (header-out-set-p :server) (null (hunchentoot:header-out :server)))
     (setf (hunchentoot:header-out :server)
-          (or (hunchentoot:header-out :server) (acceptor-server-name hunchentoot:*acceptor*))))
+          (or (hunchentoot:header-out :server)
+              *server-header-value*
+              (acceptor-server-name hunchentoot:*acceptor*))))
   (setf (hunchentoot:header-out :date) (date-header-value)))
 
 (defun body-octets (content)

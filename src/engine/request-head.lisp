@@ -105,6 +105,21 @@ with an error reply instead of reaching a handler."))
           do (setf (schar string position) (code-char (aref buffer index))))
     string))
 
+(defvar *name-scratch* nil
+  "In a worker, the string HEAD-SYMBOL spells names in, reused from name to
+name, so that a name that is a keyword costs no allocation.")
+
+(defun name-scratch (length)
+  "A base string of LENGTH characters to spell a name in: the worker's
+*NAME-SCRATCH*, or a fresh one elsewhere."
+  (let ((scratch *name-scratch*))
+    (if scratch
+        (progn (when (< (array-dimension scratch 0) length)
+                 (adjust-array scratch length))
+               (setf (fill-pointer scratch) length)
+               scratch)
+        (make-string length :element-type 'base-char))))
+
 (defun head-symbol (buffer start end &key (upcase t))
   "The keyword naming the token in BUFFER from START below END (upcased when
 UPCASE, as Hunchentoot names header names), if that keyword exists; else an
@@ -112,12 +127,12 @@ uninterned symbol of the same name.  Interning every name a client makes up
 would grow the keyword package without bound (Hunchentoot issue #24);
 HUNCHENTOOT:HEADER-IN still finds an uninterned name when given a string,
 and a keyword exists for every name that code mentions."
-  (let ((name (make-string (- end start) :element-type 'base-char)))
+  (let ((name (name-scratch (- end start))))
     (loop for index from start below end
           for position from 0
-          do (setf (schar name position) (let ((char (code-char (aref buffer index))))
-                                           (if upcase (char-upcase char) char))))
-    (or (find-symbol name "KEYWORD") (make-symbol name))))
+          do (setf (char name position) (let ((char (code-char (aref buffer index))))
+                                          (if upcase (char-upcase char) char))))
+    (or (find-symbol name "KEYWORD") (make-symbol (coerce name 'simple-base-string)))))
 
 (defun line-end-before-lf (buffer line-start lf-position)
   "The end of the line whose LF is at LF-POSITION, without its CR."
