@@ -76,6 +76,20 @@ threads; then let them go, and check that each client got its 200."
     (is (= 0 (stats server :queue-timeout-replies)))
     (is (= 0 (stats server :header-timeout-replies)))))
 
+(test saturation.head-begun-before-saturation-is-queued-when-complete
+  (with-readiness-server (server :queue-timeout 2 :header-timeout 5 :taskmaster (two-worker-pool))
+    (with-connection (split server)
+      ;; A worker parks the first half of the head with the connection.
+      (send-text split (concatenate 'string (crlf-lines "GET /test/yo HTTP/1.1") "Host: loc"))
+      (is-true (connections-parked-p server 1))
+      (with-every-worker-held (server)
+        (let ((start (get-internal-real-time)))
+          (send-text split (crlf-lines "alhost" ""))
+          (is (eql 503 (read-response split :timeout 6))
+              "the parked half and the rest make a complete head, which waits, then gets 503")
+          (is (<= 1.9 (seconds-since start) 3) "at the queue timeout: after ~,2F s" (seconds-since start)))))
+    (is (= 1 (stats server :queue-timeout-replies)))))
+
 (test saturation.incomplete-head-still-gets-408
   (with-readiness-server (server :queue-timeout 5 :header-timeout 1
                                  :taskmaster (two-worker-pool))

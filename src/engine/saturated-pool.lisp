@@ -37,7 +37,8 @@ that is.  The octets are peeked, not read: left on the socket, they keep
 CONNECTION ready, so that the first worker free takes it."
   (let* ((buffer (engine-sweep-buffer engine))
          (pending (connection-pending connection))
-         (pending-end (if pending (length (replace buffer pending)) 0))
+         (pending-end (cond (pending (replace buffer pending) (length pending))
+                            (t 0)))
          (count (receive-available (connection-fd connection) buffer pending-end (length buffer) :peek t))
          (end (if (integerp count) (+ pending-end count) pending-end)))
     (multiple-value-bind (status request-start request-line-end head-end)
