@@ -17,11 +17,12 @@
                             (list (format nil "http://127.0.0.1:~D/yo" port)))
                     :output :string :ignore-error-status t))
 
-(defun run-profile (&key (connections 100) (seconds 10) (keep-alive-p t) (max-samples 40000))
+(defun run-profile (&key (connections 100) (seconds 10) (keep-alive-p t) (mode :cpu) (max-samples 40000))
   "Serve /yo with a PARALLEL-EASY-ACCEPTOR in this process, load it with wrk
 for SECONDS over CONNECTIONS connections (kept alive, or one request each),
 and print wrk's summary, bytes consed per request and sb-sprof's flat
-report of every thread.  True when wrk answered."
+report of every thread, sampling in sb-sprof's MODE: :CPU for where the
+time goes, :ALLOC for where the bytes are consed.  True when wrk answered."
   (let ((port (free-port)))
     (start-server :parallel port)
     (unwind-protect
@@ -31,12 +32,12 @@ report of every thread.  True when wrk answered."
            (let ((requests-before (counter-requests *counters*))
                  (consed-before (sb-ext:get-bytes-consed))
                  (wrk-output nil))
-             (sb-sprof:with-profiling (:max-samples max-samples :mode :cpu :threads :all :report nil)
+             (sb-sprof:with-profiling (:max-samples max-samples :mode mode :threads :all :report nil)
                (setf wrk-output (run-wrk port connections seconds keep-alive-p)))
              (let ((requests (- (counter-requests *counters*) requests-before)))
-               (format t "~&Cell: 0 ms handler, ~:[one request per connection~;keep-alive~], ~D connections, ~D s~%~
+               (format t "~&Cell: 0 ms handler, ~:[one request per connection~;keep-alive~], ~D connections, ~D s, ~(~A~) samples~%~
                           SBCL ~A, ~A~%~%~A~%Bytes consed per request (whole process): ~:[-~;~:*~D~]~%~%"
-                       keep-alive-p connections seconds (lisp-implementation-version) (machine-type)
+                       keep-alive-p connections seconds mode (lisp-implementation-version) (machine-type)
                        wrk-output
                        (and (plusp requests) (round (- (sb-ext:get-bytes-consed) consed-before) requests)))
                (sb-sprof:report :type :flat :max 40 :stream *standard-output*)

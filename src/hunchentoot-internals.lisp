@@ -142,3 +142,54 @@ for one explicitly."
 (defun cookie-header-value (cookie)
   "The value of the Set-Cookie header Hunchentoot writes for COOKIE."
   (hunchentoot::stringify-cookie cookie))
+
+;;; What Hunchentoot's request initializer computes, for the engine's request
+;;; constructor (engine/request-object.lisp), which computes the same fields
+;;; and leaves GET parameters and cookies to be parsed on first use.
+
+(defun request-initializer-method ()
+  "Hunchentoot's INITIALIZE-INSTANCE :AFTER method on HUNCHENTOOT:REQUEST,
+which parses the request's URI, GET parameters and cookies and verifies its
+session."
+  (find-method #'initialize-instance '(:after) (list (find-class 'hunchentoot:request))))
+
+(defun default-session-verify-method ()
+  "Hunchentoot's HUNCHENTOOT:SESSION-VERIFY method, which looks for the
+session cookie, then for a GET parameter of that name."
+  (find-method #'hunchentoot:session-verify '() (list (find-class 'hunchentoot:request))))
+
+(defun parse-query-string (query-string)
+  "The GET parameters of QUERY-STRING as Hunchentoot's request initializer
+parses them when the request names no charset: UTF-8, an invalid sequence
+decoded as #\\?."
+  (let ((flex:*substitution-char* #\?))
+    (hunchentoot::form-url-encoded-list-to-alist (cl-ppcre:split "&" query-string)
+                                                 hunchentoot::+utf-8+)))
+
+(defun parse-cookie-header (cookie-header)
+  "The cookies of the Cookie header value COOKIE-HEADER, as Hunchentoot's
+request initializer parses them."
+  (hunchentoot::cookies-to-alist (cl-ppcre:split "\\s*[,;]\\s*" cookie-header)))
+
+(defmethod slot-unbound (class (request hunchentoot:request) (slot-name (eql 'hunchentoot:get-parameters)))
+  "The engine's request constructor leaves a query string it could parse
+without error unparsed: parse it on first use."
+  (declare (ignore class))
+  (setf (slot-value request slot-name) (parse-query-string (hunchentoot:query-string request))))
+
+(defmethod slot-unbound (class (request hunchentoot:request) (slot-name (eql 'hunchentoot:cookies-in)))
+  "The engine's request constructor leaves the Cookie header unparsed: parse
+it on first use."
+  (declare (ignore class))
+  (setf (slot-value request slot-name)
+        (parse-cookie-header (cdr (assoc :cookie (hunchentoot:headers-in request))))))
+
+(defun request-slot-role (slot-name)
+  "What the engine's request constructor puts in HUNCHENTOOT:REQUEST's slot
+SLOT-NAME besides its initarg or initform: :SCRIPT-NAME, :QUERY-STRING,
+:GET-PARAMETERS or :COOKIES-IN, or NIL."
+  (case slot-name
+    (hunchentoot:script-name :script-name)
+    (hunchentoot:query-string :query-string)
+    (hunchentoot:get-parameters :get-parameters)
+    (hunchentoot:cookies-in :cookies-in)))

@@ -62,65 +62,37 @@ with the same warning, and the request is decoded as UTF-8 as before."
         (progn (warn "Invalid character set ~S in request has been ignored." charset)
                (remove :content-type headers :key #'car)))))
 
-(defstruct (object-constructors (:constructor %make-object-constructors (request reply)))
-  "The functions that make an acceptor's request and reply objects."
-  (request nil :type function :read-only t)
-  (reply nil :type function :read-only t))
-
-(defvar *object-constructors* nil
-  "In a worker, its acceptor's OBJECT-CONSTRUCTORS.")
-
-(defun make-object-constructors (acceptor)
-  "Functions making ACCEPTOR's request and reply objects, compiled once for
-its request and reply classes as they are at START: MAKE-INSTANCE of a
-class known only at run time looks the class up and conses its initargs
-at every call."
-  (flet ((compile-quietly (form)
-           (handler-bind ((warning #'muffle-warning))
-             (compile nil form))))
-    (%make-object-constructors
-     (compile-quietly
-      `(lambda (acceptor local-addr local-port remote-addr remote-port headers-in content-stream method uri protocol)
-         (make-instance ',(hunchentoot:acceptor-request-class acceptor)
-                        :acceptor acceptor
-                        :local-addr local-addr :local-port local-port
-                        :remote-addr remote-addr :remote-port remote-port
-                        :headers-in headers-in
-                        :content-stream content-stream
-                        :method method :uri uri :server-protocol protocol)))
-     (compile-quietly
-      `(lambda () (make-instance ',(hunchentoot:acceptor-reply-class acceptor)))))))
-
-(defun make-reply (acceptor)
-  (if *object-constructors*
-      (funcall (object-constructors-reply *object-constructors*))
-      (make-instance (hunchentoot:acceptor-reply-class acceptor))))
-
 (defun make-request (acceptor head addresses content-stream)
   "The request object, of ACCEPTOR's request class, for the request whose
 REQUEST-HEAD is HEAD, on a connection with ADDRESSES (peer address and
-port, then ours), whose body is read from CONTENT-STREAM.  Its headers are
-the client's, whatever its initializer was shown."
-  (let* ((headers (request-head-headers head))
-         (initializer-headers (headers-for-request-initializer headers))
-         (request (destructuring-bind (remote-addr remote-port local-addr local-port) addresses
-                    (if *object-constructors*
-                        (funcall (object-constructors-request *object-constructors*)
-                                 acceptor local-addr local-port remote-addr remote-port initializer-headers
-                                 content-stream (request-head-method head) (request-head-uri head)
-                                 (request-head-protocol head))
-                        (make-instance (hunchentoot:acceptor-request-class acceptor)
-                                       :acceptor acceptor
-                                       :local-addr local-addr :local-port local-port
-                                       :remote-addr remote-addr :remote-port remote-port
-                                       :headers-in initializer-headers
-                                       :content-stream content-stream
-                                       :method (request-head-method head)
-                                       :uri (request-head-uri head)
-                                       :server-protocol (request-head-protocol head))))))
-    (unless (eq initializer-headers headers)
-      (setf (request-headers-in request) headers))
-    request))
+port, then ours), whose body is read from CONTENT-STREAM: made without
+Hunchentoot's initializer when it can be (see MAKE-PLAIN-REQUEST), else
+through it.  Its headers are the client's, whatever the initializer was
+shown."
+  (destructuring-bind (remote-addr remote-port local-addr local-port) addresses
+    (let ((headers (request-head-headers head))
+          (method (request-head-method head))
+          (uri (request-head-uri head))
+          (protocol (request-head-protocol head))
+          (constructors *object-constructors*))
+      (or (and constructors
+               (make-plain-request constructors acceptor headers content-stream method uri protocol
+                                   remote-addr remote-port local-addr local-port))
+          (let* ((initializer-headers (headers-for-request-initializer headers))
+                 (request (if constructors
+                              (funcall (object-constructors-request constructors)
+                                       acceptor local-addr local-port remote-addr remote-port
+                                       initializer-headers content-stream method uri protocol)
+                              (make-instance (hunchentoot:acceptor-request-class acceptor)
+                                             :acceptor acceptor
+                                             :local-addr local-addr :local-port local-port
+                                             :remote-addr remote-addr :remote-port remote-port
+                                             :headers-in initializer-headers
+                                             :content-stream content-stream
+                                             :method method :uri uri :server-protocol protocol))))
+            (unless (eq initializer-headers headers)
+              (setf (request-headers-in request) headers))
+            request)))))
 
 (defvar *keep-alive-header-value* nil
   "In a worker, what the Keep-Alive header says: timeout= the whole seconds

@@ -1,0 +1,146 @@
+;;;; The request object's fields -- script name, query string, GET and POST
+;;;; parameters, cookies, session, return code -- as a handler sees them,
+;;;; compared with what Hunchentoot's own EASY-ACCEPTOR shows the same
+;;;; handler for the same request.  The engine makes most requests without
+;;;; Hunchentoot's initializer and parses GET parameters and cookies on
+;;;; first use; these requests cover what it must hand back to that
+;;;; initializer (escapes, charsets, absolute-form targets, user classes).
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite request-fields :in all
+  :description "Request fields, the same as Hunchentoot's initializer computes.")
+(in-suite request-fields)
+
+(defclass request-with-slots (ht:request)
+  ((tag :initform (list :fresh) :reader request-tag)
+   (unbound-slot :reader request-unbound-slot))
+  (:documentation "A request class of a user's, initialized as Hunchentoot's request is."))
+
+(defclass request-with-initializer (ht:request)
+  ((tag :initform :fresh :reader request-tag))
+  (:documentation "A request class of a user's with an initializer of its own."))
+
+(defmethod initialize-instance :after ((request request-with-initializer) &key)
+  (setf (slot-value request 'tag) (list :initialized (ht:script-name request))))
+
+(defclass request-with-session-verify (ht:request)
+  ((tag :initform nil :accessor request-tag))
+  (:documentation "A request class of a user's with sessions of its own."))
+
+(defmethod ht:session-verify ((request request-with-session-verify))
+  (setf (request-tag request) (list :verified (ht:header-in :x-session request)))
+  nil)
+
+(defun request-fields ()
+  "What the current request shows a handler, printed readably."
+  (let ((request ht:*request*)
+        (*print-pretty* nil))
+    (prin1-to-string
+     (list :script-name (ht:script-name* request)
+           :query-string (ht:query-string* request)
+           :get-parameters (ht:get-parameters* request)
+           :post-parameters (ht:post-parameters* request)
+           :cookies (ht:cookies-in* request)
+           :get-parameter (ht:get-parameter "x" request)
+           :cookie (ht:cookie-in "a" request)
+           :return-code (ht:return-code*)
+           :session (and ht:*session* (eq ht:*session* (ht:session request)))
+           :uri (ht:request-uri* request)
+           :headers (ht:headers-in* request)
+           :class (type-of request)
+           :tag (and (slot-exists-p request 'tag) (slot-value request 'tag))
+           :unbound (and (slot-exists-p request 'unbound-slot) (slot-boundp request 'unbound-slot))))))
+
+(ht:define-easy-handler (test-fields :uri (lambda (request)
+                                            (eql 0 (search "/test/fields" (ht:script-name request)))))
+    ()
+  (setf (ht:content-type*) "text/plain; charset=utf-8")
+  (when (ht:get-parameter "start-session")
+    (ht:start-session))
+  (request-fields))
+
+;;; Session ids in these requests name no session: sessions are shared by
+;;; every acceptor in the image, and a real id with a wrong string would be
+;;; removed by whichever acceptor saw it first.
+(defparameter *field-requests*
+  (list (get-request "/test/fields")
+        (get-request "/test/fields/a+b/c")
+        (get-request "/test/fields/a%20b%2Fc")
+        (get-request "/test/fields/caf%C3%A9")
+        (get-request "/test/fields/%zz")
+        (get-request "/test/fields?x=1&y=2&x=3")
+        (get-request "/test/fields?q=a+b&empty=&=v&novalue&x")
+        (get-request "/test/fields?")
+        (get-request "/test/fields?x=%E3%81%82")
+        (get-request "/test/fields?x=%zz")
+        (get-request "/test/fields?x=%E9" "Content-Type: text/plain; charset=latin-1")
+        (get-request "/test/fields?x=1" "Content-Type: text/plain; Charset=UTF-8")
+        (get-request "/test/fields?x=1" "Content-Type: application/json")
+        (crlf-lines "GET http://localhost/test/fields?x=abs HTTP/1.1" "Host: localhost" "")
+        (crlf-lines "GET https://localhost/test/fields HTTP/1.1" "Host: localhost" "")
+        (get-request "/test/fields" "Cookie: a=b; c = d, e=f;g")
+        (get-request "/test/fields" "Cookie: a=1" "Cookie: a=2")
+        (get-request "/test/fields?x=1" "Cookie: hunchentoot-session=garbage")
+        (get-request "/test/fields" "Cookie: hunchentoot-session=987654321%3Aab%zz")
+        (get-request "/test/fields?hunchentoot-session=987654321:no-such-session")
+        (get-request "/test/fields?hunchentoot+session=987654321:x&%20hunchentoot-session=987654322:y")
+        (concatenate 'string
+                     (crlf-lines "POST /test/fields?x=get HTTP/1.1" "Host: localhost"
+                                 "Content-Type: application/x-www-form-urlencoded"
+                                 "Content-Length: 13" "")
+                     "x=post&y=%41")))
+
+(test request-fields.same-as-hunchentoot
+  (check-same-replies *field-requests*))
+
+(test request-fields.user-request-classes-same-as-hunchentoot
+  (dolist (class '(request-with-slots request-with-initializer request-with-session-verify))
+    (check-same-replies (list (get-request "/test/fields?x=1" "Cookie: a=b" "X-Session: s1")
+                              (get-request "/test/fields/%41" "X-Session: s2"))
+                        :request-class class)))
+
+(defun session-cookie-of (reply)
+  "The value of the session cookie REPLY sets."
+  (aref (nth-value 1 (cl-ppcre:scan-to-strings "(?m)^Set-Cookie: hunchentoot-session=([^;\\r]*)" reply)) 0))
+
+(defun session-found-p (server &rest headers-and-query)
+  "True when SERVER's handler finds a session for a request with the query
+string and headers in HEADERS-AND-QUERY (the first, a query string or NIL)."
+  (with-connection (socket server)
+    (send-text socket (apply #'get-request (format nil "/test/fields~@[?~A~]" (first headers-and-query))
+                             (rest headers-and-query)))
+    (search "SESSION T" (read-whole-reply socket nil))))
+
+(test request-fields.sessions-found-by-cookie-and-by-get-parameter
+  (dolist (class '(ht:easy-acceptor parallel-easy-acceptor))
+    (with-server (server (make-server class))
+      (let ((cookie (with-connection (socket server)
+                      (send-text socket (get-request "/test/fields?start-session=1"))
+                      (session-cookie-of (read-whole-reply socket nil)))))
+        (is-true (session-found-p server nil (format nil "Cookie: hunchentoot-session=~A" cookie))
+                 "~A: the session cookie" class)
+        (is-true (session-found-p server nil (format nil "Cookie: a=b; hunchentoot-session=~A; c=d" cookie))
+                 "~A: the session cookie among others" class)
+        (is-true (session-found-p server (format nil "x=1&hunchentoot-session=~A" cookie))
+                 "~A: the session as a GET parameter" class)
+        (is-false (session-found-p server nil "Cookie: a=b")
+                  "~A: no session cookie" class)
+        (is-false (session-found-p server "x=1")
+                  "~A: no session parameter" class)
+        (let ((forged (format nil "~A:forged" (subseq cookie 0 (position #\% cookie)))))
+          (with-connection (socket server)
+            (send-text socket (get-request "/test/fields" (format nil "Cookie: hunchentoot-session=~A" forged)))
+            (is (equal "deleted" (session-cookie-of (read-whole-reply socket nil)))
+                "~A: a forged session string deletes the cookie" class)))
+        (is-false (session-found-p server nil (format nil "Cookie: hunchentoot-session=~A" cookie))
+                  "~A: the session a forged string named is gone" class)))))
+
+(test request-fields.classes-made-without-initializer
+  (is-true (hunchentoot-recycling-taskmaster::initialized-as-hunchentoot-request-p
+            (find-class 'ht:request)))
+  (is-true (hunchentoot-recycling-taskmaster::initialized-as-hunchentoot-request-p
+            (find-class 'request-with-slots)))
+  (is-false (hunchentoot-recycling-taskmaster::initialized-as-hunchentoot-request-p
+             (find-class 'request-with-initializer))
+            "a class with an initializer of its own goes through MAKE-INSTANCE"))
