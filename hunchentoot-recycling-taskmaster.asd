@@ -22,6 +22,7 @@ bytes, with acceptors that use it by default."
                (:file "engine/protocol")
                (:module "pool" :serial t :components ((:file "taskmaster")
                                             (:file "worker")
+                                            (:file "growth")
                                             (:file "thread-maker")
                                             (:file "lifecycle")
                                             (:file "statistics")))

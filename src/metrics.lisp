@@ -14,6 +14,8 @@
     (:requests-served "requests_served_total" counter "Requests answered through a handler.")
     (:threads-created "threads_created_total" counter "Worker threads made.")
     (:threads-retired "threads_retired_total" counter "Worker threads ended as surplus.")
+    (:growth-declined "growth_declined_total" counter
+     "Times the pool was asked to grow while the processors had no idle time, and did not.")
     (:connections-accepted "connections_accepted_total" counter "Connections accepted.")
     (:keep-alive-timeouts "keep_alive_timeouts_total" counter
      "Kept-alive connections closed at the keep-alive timeout."))

@@ -270,6 +270,7 @@ that joins the client (see IN-THREAD)."
       (let ((statistics (taskmaster-statistics server)))
         (dolist (key '(:threads :busy-threads :accepting-threads :in-request-threads
                        :connections-accepted :requests-served :threads-created :threads-retired :peak-threads
+                       :growth-declined
                        :parked-connections :open-connections :keep-alive-timeouts
                        :bad-request-replies :header-timeout-replies :length-required-replies
                        :not-implemented-replies
@@ -316,3 +317,53 @@ connection until DEADLINE (internal real time).  Counts the 200 replies."
                  "every client was served"))
         (when (ht:started-p server)
           (ht:stop server))))))
+
+;;; Growth, weighed by the processors' idle time (pool/growth.lisp).
+
+(ht:define-easy-handler (test-spin :uri "/test/spin") (ms)
+  ;; Computes for MS milliseconds without sleeping: keeps a processor busy.
+  (let ((end (+ (get-internal-real-time) (* (parse-integer ms) (floor internal-time-units-per-second 1000)))))
+    (loop while (< (get-internal-real-time) end))
+    "spun"))
+
+(defun processors-online ()
+  (with-open-file (cpuinfo "/proc/cpuinfo")
+    (loop for line = (read-line cpuinfo nil)
+          while line
+          count (eql 0 (search "processor" line)))))
+
+(defun idle-gauge-after (idle-ticks-since total-ticks-since thread-count)
+  "An idle gauge whose last reading was IDLE-TICKS-SINCE idle ticks and
+TOTAL-TICKS-SINCE ticks in all before now, read again for a pool of
+THREAD-COUNT workers."
+  (multiple-value-bind (idle total) (hunchentoot-recycling-taskmaster::read-processor-ticks)
+    (let ((gauge (hunchentoot-recycling-taskmaster::make-idle-gauge)))
+      (setf (hunchentoot-recycling-taskmaster::idle-gauge-read-at gauge)
+            (- (get-internal-real-time) internal-time-units-per-second)
+            (hunchentoot-recycling-taskmaster::idle-gauge-idle-ticks gauge) (- idle idle-ticks-since)
+            (hunchentoot-recycling-taskmaster::idle-gauge-total-ticks gauge) (- total total-ticks-since))
+      (hunchentoot-recycling-taskmaster::refresh-idle-gauge gauge thread-count)
+      gauge)))
+
+(test growth.budget-is-the-idle-share-of-the-pool
+  (multiple-value-bind (idle total) (hunchentoot-recycling-taskmaster::read-processor-ticks)
+    (is (and (integerp idle) (integerp total) (< 0 idle total)) "/proc/stat read: ~S ~S" idle total))
+  ;; The ticks that pass between the two readings are few beside 10,000.
+  (let ((half-idle (idle-gauge-after 5000 10000 10)))
+    (is (< 45/100 (hunchentoot-recycling-taskmaster::idle-gauge-idle-share half-idle) 55/100))
+    (is (<= 5 (hunchentoot-recycling-taskmaster::idle-gauge-growth-budget half-idle) 6)))
+  (let ((busy (idle-gauge-after 0 10000 10)))
+    (is (< (hunchentoot-recycling-taskmaster::idle-gauge-idle-share busy) 5/100))
+    (is (zerop (hunchentoot-recycling-taskmaster::idle-gauge-growth-budget busy)))))
+
+(test growth.declined-while-handlers-keep-the-processors-busy
+  (with-thread-leak-check ()
+    (with-server (server (pooled-server :standby-thread-count 2))
+      (let ((statuses (concurrent-gets server "/test/spin?ms=20" 40)))
+        (is (every (lambda (status) (eql 200 status)) statuses) "statuses ~S" statuses))
+      ;; Growing by the idle share as handlers begin to compute, the pool
+      ;; ends near one worker per processor; 40 requests at once, each
+      ;; taking a worker as growth on demand would give them, it never makes.
+      (is (<= (stats server :peak-threads) (+ 4 (* 2 (processors-online))))
+          "peak ~D threads" (stats server :peak-threads))
+      (is (plusp (stats server :growth-declined))))))

@@ -57,6 +57,11 @@ WORKER unwinds by itself, in Lisp.  Does nothing when WORKER holds no
 connection.  Never interrupts WORKER's thread: a handler that computes or
 sleeps goes on until it next touches its connection."))
 
+(defgeneric engine-work-waiting-p (engine)
+  (:documentation "True when ENGINE has something ready to serve that no
+worker has taken yet.  Asked by the thread-making thread while no worker
+waits, to tell whether one more would find work; must not wait."))
+
 (defgeneric engine-maintenance-interval (engine)
   (:documentation "Seconds between two calls of ENGINE-MAINTAIN."))
 

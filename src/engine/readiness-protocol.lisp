@@ -57,6 +57,11 @@ pipelined requests."
 (defmethod engine-cut-connection ((engine readiness-engine) worker)
   (call-with-held-connection worker (lambda (connection) (shut-down-fd (connection-fd connection)))))
 
+(defmethod engine-work-waiting-p ((engine readiness-engine))
+  ;; An epoll descriptor polls readable while it has events to report.
+  (let ((set (engine-readiness-set engine)))
+    (and set (wait-until-fd-readable (readiness-set-epoll-fd set) 0))))
+
 (defmethod engine-maintenance-interval ((engine readiness-engine))
   +sweep-interval-seconds+)
 

@@ -26,7 +26,9 @@ PARALLEL-ACCEPTOR catches ACCEPTOR-ABANDONED."
   (with-pool-state-change (taskmaster)
     (setf (shutting-down-p taskmaster) nil
           (soft-stop-p taskmaster) nil
-          (pending-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster))))
+          (pending-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster)
+          (growth-asked-p taskmaster) nil
+          (growth-weighing-interval taskmaster) 0)))
 
 (defun taskmaster-engine-for (taskmaster acceptor)
   "TASKMASTER's engine, made the first time it is asked for."
@@ -147,6 +149,7 @@ below zero."
           (thread-maker taskmaster) nil
           (pool-thread-count taskmaster) 0
           (pending-thread-count taskmaster) 0
+          (growth-asked-p taskmaster) nil
           (pool-gauges-waiting (pool-gauges taskmaster)) 0)
     (notify-pool-changed taskmaster)))
 

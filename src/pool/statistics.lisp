@@ -12,7 +12,9 @@ poll.  The pool's keys: :THREADS (workers in the pool), :BUSY-THREADS
 (workers not waiting for work), :ACCEPTING-THREADS (workers waiting for
 work), :IN-REQUEST-THREADS (workers between a complete request head and its
 reply), and the totals since the taskmaster was made :REQUESTS-SERVED,
-:THREADS-CREATED, :THREADS-RETIRED, :PEAK-THREADS.  Then the engine's keys,
+:THREADS-CREATED, :THREADS-RETIRED, :PEAK-THREADS, and :GROWTH-DECLINED
+(times the pool was asked to grow while the processors had no idle time,
+and did not).  Then the engine's keys,
 once the taskmaster has been started; the readiness engine's are
 :PARKED-CONNECTIONS (connections waiting for bytes without a thread),
 :OPEN-CONNECTIONS (parked or being served), and the totals
@@ -47,7 +49,8 @@ work finishing while they are read."))
                                    (reduce #'+ (pool-workers taskmaster) :key #'worker-requests-served))
                :threads-created (threads-created taskmaster)
                :threads-retired (threads-retired taskmaster)
-               :peak-threads (peak-thread-count taskmaster))))
+               :peak-threads (peak-thread-count taskmaster)
+               :growth-declined (growth-declined-count taskmaster))))
      (and engine (engine-statistics engine)))))
 
 (defmethod taskmaster-statistics ((acceptor parallel-acceptor))

@@ -102,6 +102,21 @@ engine's periodic maintenance.")
                  :documentation "Workers in the pool, not counting those retiring.")
    (pending-thread-count :initform 0 :accessor pending-thread-count
                          :documentation "Workers asked of the thread-making thread, not yet made.")
+   (growth-asked-p :initform nil :accessor growth-asked-p
+                   :documentation "True while a worker's request for one more
+worker waits for the thread-making thread to weigh it (pool/growth.lisp).")
+   (next-growth-weighing :initform 0 :accessor next-growth-weighing
+                         :documentation "The internal real time before which
+the thread-making thread does not weigh growth again.")
+   (growth-weighing-interval :initform 0 :accessor growth-weighing-interval
+                             :documentation "Seconds from one weighing of growth
+to the next: none after the pool grew, doubling while growth is declined.")
+   (idle-gauge :initform nil :accessor pool-idle-gauge
+               :documentation "The IDLE-GAUGE growth is weighed by, made at the
+first weighing; the thread-making thread's only.")
+   (growth-declined-count :initform 0 :accessor growth-declined-count
+                          :documentation "Times, ever, that the pool was asked to
+grow while every processor already had a worker running, and did not.")
    (gauges :initform (make-pool-gauges) :reader pool-gauges)
    (shutting-down-p :initform nil :accessor shutting-down-p
                     :documentation "True from the moment HUNCHENTOOT:STOP begins until the next START.")
@@ -127,8 +142,11 @@ socket and every connection waiting for bytes) and serve whatever is ready:
 no listener thread hands sockets over, and a connection holds a thread only
 while a worker reads what has arrived or a handler runs.  The pool starts
 with STANDBY-THREAD-COUNT workers; when the last waiting worker is woken,
-the one thread-making thread adds one, up to MAX-THREAD-COUNT; surplus
-workers retire after THREAD-IDLE-TIMEOUT seconds without work.  Needs a
+the one thread-making thread adds one, up to MAX-THREAD-COUNT, if work is
+waiting and the processors have idle time (handlers wait on timers,
+clients, databases): workers that would only take turns on busy
+processors are not made.  Surplus workers retire after THREAD-IDLE-TIMEOUT
+seconds without work.  Needs a
 PARALLEL-ACCEPTOR."))
 
 (defun check-count (initarg value &key (minimum 0) (null-allowed nil))

@@ -48,15 +48,20 @@ system refuses a thread, log it and pause, so as not to spin on it."
         (sleep 0.1)))))
 
 (defun next-maker-task (taskmaster maintenance-deadline)
-  "Wait for the thread-making thread's next task: :EXIT, :MAKE-THREAD, or
+  "Wait for the thread-making thread's next task: :EXIT, :MAKE-THREAD,
+:WEIGH-GROWTH when a worker asked for another and its weighing is due, or
 :MAINTAIN once MAINTENANCE-DEADLINE (internal real time) has passed."
   (with-pool-lock (taskmaster)
     (loop
-      (cond ((shutting-down-p taskmaster) (return :exit))
-            ((plusp (pending-thread-count taskmaster)) (return :make-thread))
-            ((>= (get-internal-real-time) maintenance-deadline) (return :maintain))
-            (t (bt:condition-wait (maker-wakeup taskmaster) (pool-lock taskmaster)
-                                  :timeout (seconds-until maintenance-deadline)))))))
+      (let ((now (get-internal-real-time))
+            (growth-due (growth-weighing-due taskmaster)))
+        (cond ((shutting-down-p taskmaster) (return :exit))
+              ((plusp (pending-thread-count taskmaster)) (return :make-thread))
+              ((and growth-due (>= now growth-due)) (return :weigh-growth))
+              ((>= now maintenance-deadline) (return :maintain))
+              (t (bt:condition-wait (maker-wakeup taskmaster) (pool-lock taskmaster)
+                                    :timeout (seconds-until (min maintenance-deadline
+                                                                 (or growth-due maintenance-deadline))))))))))
 
 (defun run-thread-maker (taskmaster)
   (let* ((engine (taskmaster-engine taskmaster))
@@ -66,6 +71,7 @@ system refuses a thread, log it and pause, so as not to spin on it."
       (ecase (next-maker-task taskmaster maintenance-deadline)
         (:exit (return))
         (:make-thread (make-worker-thread taskmaster))
+        (:weigh-growth (weigh-growth taskmaster))
         (:maintain (engine-maintain engine)
                    (setf maintenance-deadline (deadline-in interval)))))))
 

@@ -66,15 +66,20 @@ START that it has begun."
 
 (defun note-woken (taskmaster worker)
   "WORKER left its wait with something to serve.  If it was the last one
-waiting, ask the thread-making thread for another worker."
-  (when (= 1 (without-interrupts
-               (setf (worker-state worker) :serving)
-               (atomic-decrement (pool-gauges-waiting (pool-gauges taskmaster)))))
+waiting, ask the thread-making thread to weigh another worker
+(pool/growth.lisp)."
+  (when (and (= 1 (without-interrupts
+                    (setf (worker-state worker) :serving)
+                    (atomic-decrement (pool-gauges-waiting (pool-gauges taskmaster)))))
+             ;; Read without the lock: while a request is being weighed, the
+             ;; pool is not locked once per request to make another.
+             (not (growth-asked-p taskmaster)))
     (with-pool-state-change (taskmaster)
       (when (and (zerop (waiting-worker-count taskmaster))
+                 (not (growth-asked-p taskmaster))
                  (zerop (pending-thread-count taskmaster))
                  (pool-may-grow-p taskmaster))
-        (incf (pending-thread-count taskmaster))
+        (setf (growth-asked-p taskmaster) t)
         (notify-thread-maker taskmaster)))))
 
 (defun note-stopped-waiting (taskmaster worker)
