@@ -4,8 +4,8 @@
 ;;;; processors are all busy, the newcomer just takes turns with the
 ;;;; workers there are, and each thread added costs every request a share
 ;;;; of the switching between them (bench/profiles/2026-11-22-pool-growth.txt:
-;;;; a 0 ms handler on 2 cores answered a third more with the pool held at
-;;;; its 8 standby workers than grown to 44).  Handlers that wait -- on a
+;;;; a 0 ms handler on 2 cores answered about a third more with the pool
+;;;; held at its 8 standby workers than grown to 100).  Handlers that wait -- on a
 ;;;; timer, a client, a database -- leave processors idle, and then more
 ;;;; workers answer more.  So the pool grows while there is work no worker
 ;;;; has taken and the machine's processors were idle for part of the last
@@ -13,7 +13,7 @@
 ;;;; again; it declines otherwise, and looks again at growing intervals
 ;;;; while no worker waits, since a pool whose every worker blocks has
 ;;;; nobody left to ask.  Where the processors' idle time cannot be read,
-;;;; the pool grows whenever it is asked, as it did before.
+;;;; the pool grows whenever it is asked.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
