@@ -36,6 +36,7 @@ bytes, with acceptors that use it by default."
                                               (:file "readiness-engine")
                                               (:file "saturated-pool")
                                               (:file "readiness-protocol")))
+               (:file "static-files")
                (:file "metrics"))
   :in-order-to ((test-op (test-op "hunchentoot-recycling-taskmaster/test"))))
 
@@ -58,6 +59,7 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (:file "request-bodies")
                (:file "replies")
                (:file "request-fields")
+               (:file "static-files")
                (:file "listening")
                (:file "metrics")
                (:file "garbage-input")

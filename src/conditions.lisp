@@ -42,6 +42,15 @@ seconds, a :WRITE-TIMEOUT other than the :READ-TIMEOUT, or an impossible
 (defmethod configuration-subject ((condition invalid-acceptor-configuration))
   "PARALLEL-ACCEPTOR configuration")
 
+(define-condition invalid-static-folder (invalid-configuration)
+  ()
+  (:documentation "Signalled by CREATE-STATIC-FOLDER-DISPATCHER-AND-HANDLER
+for a URI prefix that is not a string ending with a slash, or a base path
+that names no existing directory."))
+
+(defmethod configuration-subject ((condition invalid-static-folder))
+  "static folder")
+
 (define-condition acceptor-not-parallel-error (recycling-taskmaster-error)
   ((acceptor :initarg :acceptor :reader error-acceptor
              :documentation "The acceptor that was being started."))

@@ -27,6 +27,10 @@
    #:taskmaster-thread-idle-timeout
    #:taskmaster-stop-timeout
 
+   ;; Static files, sent by the kernel.
+   #:serve-static-file
+   #:create-static-folder-dispatcher-and-handler
+
    ;; Observing a running pool.
    #:taskmaster-statistics
    #:prometheus-metrics
@@ -37,5 +41,6 @@
    #:invalid-configuration
    #:invalid-taskmaster-configuration
    #:invalid-acceptor-configuration
+   #:invalid-static-folder
    #:acceptor-not-parallel-error
    #:chunked-body-malformed))

@@ -218,16 +218,16 @@ to rewrite for a cookie-less session."
        (null hunchentoot:*header-stream*)
        (not (and (stringp content) hunchentoot:*rewrite-for-session-urls* (hunchentoot:session request)))))
 
-(defun send-octets-reply (request return-code content)
-  "Send RETURN-CODE with the body CONTENT, a string or octets, to the
-current connection stream: headers as START-OUTPUT sets them, the access
-log entry and the reading of an unread body as SEND-RESPONSE does, then the
-whole reply as octets.  No body for HEAD."
+(defun send-reply-head (request return-code content-length)
+  "Write RETURN-CODE's status line and the headers to the current connection
+stream, for a body of CONTENT-LENGTH octets: headers as START-OUTPUT sets
+them, the access log entry and the reading of an unread body as
+SEND-RESPONSE does.  Returns the stream, where the head may still be
+buffered."
   (set-connection-headers request)
   (set-server-and-date-headers)
-  (let ((octets (body-octets content))
-        (head (or *reply-head* (make-reply-head))))
-    (setf (hunchentoot:header-out :content-length) (length octets)
+  (let ((head (or *reply-head* (make-reply-head))))
+    (setf (hunchentoot:header-out :content-length) content-length
           (headers-sent-p) t)
     (hunchentoot:acceptor-log-access hunchentoot:*acceptor* :return-code return-code)
     (hunchentoot:raw-post-data :force-binary t)
@@ -241,8 +241,16 @@ whole reply as octets.  No body for HEAD."
     (push-crlf head)
     (let ((stream (current-connection-stream)))
       (write-sequence (reply-head-octets head) stream :end (reply-head-end head))
-      (unless (eq (hunchentoot:request-method request) :head)
-        (write-sequence octets stream)))))
+      stream)))
+
+(defun send-octets-reply (request return-code content)
+  "Send RETURN-CODE with the body CONTENT, a string or octets, to the
+current connection stream, head (SEND-REPLY-HEAD) and body as octets.  No
+body for HEAD."
+  (let* ((octets (body-octets content))
+         (stream (send-reply-head request return-code (length octets))))
+    (unless (eq (hunchentoot:request-method request) :head)
+      (write-sequence octets stream))))
 
 (defun send-reply (request return-code content)
   "Send the reply: as octets when OCTETS-REPLY-P, else by Hunchentoot's

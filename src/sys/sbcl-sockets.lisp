@@ -1,8 +1,9 @@
 ;;;; Every use of SBCL's socket and foreign-call internals (sb-alien,
 ;;;; sb-bsd-sockets, sb-unix, sb-sys) lives in this file, so that the next
 ;;;; SBCL breaks in one place: Linux epoll(7), eventfd(2), accept4(2),
-;;;; recv(2), send(2), shutdown(2), the peer's address, and the fd-stream a
-;;;; connection is read and written through.
+;;;; recv(2), send(2), shutdown(2), the peer's address, the fd-stream a
+;;;; connection is read and written through, and files sent with
+;;;; sendfile(2).
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -330,3 +331,96 @@ with end of file or an error and unwinds by itself.  The descriptor stays
 its holder's to close, so it cannot be reused meanwhile."
   (sb-alien:alien-funcall (sb-alien:extern-alien "shutdown" (function sb-alien:int sb-alien:int sb-alien:int))
                           fd +shut-rdwr+))
+
+;;; Files sent with sendfile(2).
+
+(defconstant +o-nonblock+ #o4000)
+(defconstant +f-getfl+ 3)
+(defconstant +f-setfl+ 4)
+(defconstant +s-ifmt+ #o170000)
+(defconstant +s-ifreg+ #o100000)
+(defconstant +s-ifdir+ #o040000)
+
+(defun open-regular-file (namestring)
+  "A descriptor open for reading on the regular file NAMESTRING, its size in
+octets and its modification time (a universal time); NIL when it cannot be
+opened or is not a regular file.  Opened and looked at once: what is sent
+is what was looked at, whatever happens to the name meanwhile."
+  (let ((fd (sb-unix:unix-open namestring (logior sb-unix:o_rdonly +sock-cloexec+) 0)))
+    (when fd
+      (multiple-value-bind (ok device inode mode links uid gid rdev size atime mtime)
+          (sb-unix:unix-fstat fd)
+        (declare (ignore device inode links uid gid rdev atime))
+        (if (and ok (= (logand mode +s-ifmt+) +s-ifreg+))
+            (values fd size (+ mtime #.(encode-universal-time 0 0 0 1 1 1970 0)))
+            (progn (sb-unix:unix-close fd) nil))))))
+
+(defun directory-path-p (namestring)
+  "True when NAMESTRING names a directory."
+  (multiple-value-bind (ok device inode mode) (sb-unix:unix-stat namestring)
+    (declare (ignore device inode))
+    (and ok (= (logand mode +s-ifmt+) +s-ifdir+))))
+
+(defun stream-file-descriptor (stream)
+  "The descriptor STREAM writes to when it is SBCL's plain fd-stream, else NIL."
+  (and (typep stream 'sb-sys:fd-stream)
+       (sb-sys:fd-stream-fd stream)))
+
+(defun send-file-octets (socket-fd file-fd start end timeout)
+  "Send the octets of FILE-FD from START below END to SOCKET-FD with
+sendfile(2), in the kernel, waiting at most TIMEOUT seconds (NIL: no
+limit) each time the socket has no room.  True when they all went; false
+when the client stopped taking them in time, left, or the file ended
+early (it was truncated)."
+  (let ((flags (sb-alien:alien-funcall
+                (sb-alien:extern-alien "fcntl" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int))
+                socket-fd +f-getfl+ 0)))
+    (flet ((set-flags (value)
+             (sb-alien:alien-funcall
+              (sb-alien:extern-alien "fcntl" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int))
+              socket-fd +f-setfl+ value)))
+      (set-flags (logior flags +o-nonblock+))
+      (unwind-protect
+           (sb-alien:with-alien ((offset (sb-alien:signed 64)))
+             (setf offset start)
+             (loop
+               (when (>= offset end) (return t))
+               (let ((sent (sb-alien:alien-funcall
+                            (sb-alien:extern-alien "sendfile" (function sb-alien:long sb-alien:int sb-alien:int
+                                                                        (* (sb-alien:signed 64))
+                                                                        sb-alien:unsigned-long))
+                            socket-fd file-fd (sb-alien:addr offset) (min (- end offset) (ash 1 30)))))
+                 (cond ((plusp sent))
+                       ((zerop sent) (return nil))
+                       ((= (sb-alien:get-errno) +eintr+))
+                       ((= (sb-alien:get-errno) +eagain+)
+                        (unless (sb-unix:unix-simple-poll socket-fd :output
+                                                          (if timeout (max 1 (round (* 1000 timeout))) -1))
+                          (return nil)))
+                       (t (return nil))))))
+        (set-flags flags)))))
+
+(defun read-file-octets (fd buffer position)
+  "Read from FD at POSITION into BUFFER (octets) with pread(2), without
+moving FD's offset: the count read, 0 at the file's end, NIL on error."
+  (sb-sys:with-pinned-objects (buffer)
+    (let ((count (sb-alien:alien-funcall
+                  (sb-alien:extern-alien "pread" (function sb-alien:long sb-alien:int sb-sys:system-area-pointer
+                                                           sb-alien:unsigned-long (sb-alien:signed 64)))
+                  fd (sb-sys:vector-sap buffer) (length buffer) position)))
+      (and (>= count 0) count))))
+
+(defun native-path (pathname)
+  "PATHNAME as the operating system spells it, with no Lisp wildcard syntax."
+  (sb-ext:native-namestring pathname))
+
+(defun real-path (namestring)
+  "NAMESTRING with every symbolic link, . and .. resolved (realpath(3)), or
+NIL when it names nothing."
+  (sb-alien:with-alien ((resolved (array sb-alien:char 4096)))
+    (let ((result (sb-alien:alien-funcall
+                   (sb-alien:extern-alien "realpath" (function sb-sys:system-area-pointer sb-alien:c-string
+                                                               (* sb-alien:char)))
+                   namestring (sb-alien:cast resolved (* sb-alien:char)))))
+      (unless (zerop (sb-sys:sap-int result))
+        (sb-alien:cast resolved sb-alien:c-string)))))
