@@ -13,18 +13,59 @@
 that every ratio is taken against.  A :LISP server is a kind that SERVE
 starts in a process of its own; :NGINX runs Debian's nginx.")
 
+(defparameter *static-files*
+  '(("1k.html" . 1024) ("1m.bin" . 1048576))
+  "The files of the static workloads, in the folder STATIC-FOLDER makes, and
+their sizes.")
+
 (defun workloads (quick)
   "Every workload: handler delay, keep-alive or one request per connection,
-concurrency.  QUICK keeps 100 connections only."
-  (loop for delay-ms in '(0 1)
-        append (loop for close in '(nil t)
-                     append (loop for connections in (if quick '(100) '(100 1000))
-                                  collect (list :delay-ms delay-ms :close close
-                                                :connections connections)))))
+concurrency; then each static file, kept alive over 100 connections.
+QUICK keeps 100 connections only."
+  (append (loop for delay-ms in '(0 1)
+                append (loop for close in '(nil t)
+                             append (loop for connections in (if quick '(100) '(100 1000))
+                                          collect (list :delay-ms delay-ms :close close
+                                                        :connections connections))))
+          (loop for (file) in *static-files*
+                collect (list :delay-ms 0 :close nil :connections 100 :file file))))
 
 (defun workload-name (workload)
-  (destructuring-bind (&key delay-ms close connections) workload
-    (format nil "~Dms ~:[keep-alive~;close~] c~D" delay-ms close connections)))
+  (destructuring-bind (&key delay-ms close connections file) workload
+    (if file
+        (format nil "static ~A c~D" file connections)
+        (format nil "~Dms ~:[keep-alive~;close~] c~D" delay-ms close connections))))
+
+(defun workload-path (workload)
+  "The path wrk asks for: /yo, or the static file under /static/."
+  (let ((file (getf workload :file)))
+    (if file (format nil "/static/~A" file) "/yo")))
+
+(defun make-static-folder ()
+  "A new folder holding *STATIC-FILES*: an HTML page and a binary file, the
+same octets for every server.  Its native name, ending with a slash."
+  (let ((folder (format nil "~A/" (string-right-trim '(#\Newline)
+                                                     (uiop:run-program '("mktemp" "-d") :output :string)))))
+    (loop for (file . size) in *static-files*
+          do (with-open-file (out (concatenate 'string folder file) :direction :output
+                                                                    :element-type '(unsigned-byte 8))
+               (let ((octets (make-array size :element-type '(unsigned-byte 8))))
+                 (if (search ".html" file)
+                     (let* ((start "<!DOCTYPE html><html><head><title>Static</title></head><body>")
+                            (end (format nil "</body></html>~%"))
+                            (page (concatenate 'string start
+                                               (make-string (- size (length start) (length end)) :initial-element #\x)
+                                               end)))
+                       (replace octets (map 'vector #'char-code page)))
+                     (dotimes (index size)
+                       (setf (aref octets index) (mod (* index 7) 251))))
+                 (write-sequence octets out))))
+    ;; mktemp makes it 0700; nginx's workers run as another user.
+    (uiop:run-program (list "chmod" "-R" "a+rX" folder))
+    folder))
+
+(defvar *static-folder* nil
+  "The folder every server of a run serves under /static/.")
 
 (defun workload-file-name (workload)
   (substitute #\_ #\Space (workload-name workload)))
@@ -58,7 +99,7 @@ http {
 ~:[  server {
     listen 127.0.0.1:~D;
     location /yo { default_type text/plain; return 200 \"Hey!\"; }
-  }~;  upstream lisp {
+~@[    location /static/ { alias ~A; sendfile on; }~%~]  }~;  upstream lisp {
 ~{    server 127.0.0.1:~D;~%~}    keepalive 64;
     keepalive_timeout 4s;
   }
@@ -72,7 +113,7 @@ http {
   }~]
 }
 " directory directory directory directory directory directory directory
-          upstream-ports (or upstream-ports port) port))
+          upstream-ports (or upstream-ports port) (if upstream-ports port *static-folder*)))
 
 (defun launch-nginx (port &key upstream-ports (log-file nil))
   "Start nginx on PORT (see NGINX-CONFIG) in a directory of its own; its process-info."
@@ -91,8 +132,8 @@ http {
       (launch-nginx port :log-file log-file)
       (uiop:launch-program
        (list "sbcl" "--core" core "--noinform" "--non-interactive" "--disable-debugger"
-             "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve ~S ~D :delay-ms ~D)"
-                              (getf server :lisp) port delay-ms))
+             "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve ~S ~D :delay-ms ~D :static-folder ~S)"
+                              (getf server :lisp) port delay-ms *static-folder*))
        :output log-file :error-output :output :if-output-exists :supersede)))
 
 (defun stop-server (process)
@@ -130,12 +171,12 @@ http {
 ;;; wrk.
 
 (defun wrk (port workload seconds)
-  "Run wrk on 127.0.0.1:PORT/yo for SECONDS; its whole output."
+  "Run wrk on 127.0.0.1:PORT for WORKLOAD's path for SECONDS; its whole output."
   (destructuring-bind (&key close connections &allow-other-keys) workload
     (uiop:run-program (append (list "wrk" "-t2" (format nil "-c~D" connections)
                                     (format nil "-d~Ds" seconds) "--latency")
                               (when close (list "-H" "Connection: close"))
-                              (list (format nil "http://127.0.0.1:~D/yo" port)))
+                              (list (format nil "http://127.0.0.1:~D~A" port (workload-path workload))))
                       :output :string :error-output :output :ignore-error-status t)))
 
 (defun latency-ms (text percentile)
@@ -247,12 +288,12 @@ http {
 (defun write-csv (file results)
   "RESULTS: list of (server workload plist ratio)."
   (with-open-file (out file :direction :output :if-exists :supersede)
-    (format out "server,handler_ms,connection,connections,~{~(~A~)~^,~},ratio_to_baseline,rounds_requests_per_second,failure~%"
+    (format out "server,handler_ms,connection,connections,path,~{~(~A~)~^,~},ratio_to_baseline,rounds_requests_per_second,failure~%"
             (mapcar (lambda (key) (substitute #\_ #\- (string key))) *csv-keys*))
     (loop for (server workload cell ratio) in results
-          do (format out "~A,~D,~:[keep-alive~;close~],~D,~{~A~^,~},~A,~A,~A~%"
+          do (format out "~A,~D,~:[keep-alive~;close~],~D,~A,~{~A~^,~},~A,~A,~A~%"
                      (getf server :name) (getf workload :delay-ms) (getf workload :close)
-                     (getf workload :connections)
+                     (getf workload :connections) (workload-path workload)
                      (mapcar (lambda (key) (csv-field (getf cell key))) *csv-keys*)
                      (csv-field ratio) (rounds-field cell) (or (getf cell :failed) "")))))
 
@@ -345,27 +386,10 @@ median requests/s, carrying every round's requests/s as :ROUNDS."
                (nth (floor (1- (length sorted)) 2) sorted))
         (first cells))))
 
-(defun run-benchmarks (&key quick core (servers *servers*) (workloads (workloads quick))
-                            (rounds (if quick 1 3)) (seconds (if quick 2 5))
-                            (output-root "bench/results/"))
-  "Measure every server of SERVERS on every workload, ROUNDS times in turn
-(round by round, so that a slow minute of the machine hits every server),
-and keep each cell's median round; write the results directory and print
-the ratio tables.  QUICK: one round of 2 s cells, 100 connections only.
-Returns the directory."
-  (let* ((*servers* servers)
-         (warm-seconds 2)
-         (directory (format nil "~A~A/" output-root (utc-timestamp)))
-         (cells (loop for workload in workloads
-                      append (loop for round from 1 to rounds
-                                   append (loop for server in *servers*
-                                                collect (list server workload round)))))
-         (start-time (get-internal-real-time))
-         (measured (make-hash-table :test #'equal))
-         (results '())
-         (baseline-cells (make-hash-table :test #'equal)))
-    (ensure-directories-exist (concatenate 'string directory "raw/"))
-    (write-system-info (concatenate 'string directory "system-info.txt"))
+(defun measure-every-cell (cells measured &key seconds warm-seconds rounds core directory)
+  "Measure each (SERVER WORKLOAD ROUND) of CELLS in turn, printing progress,
+and push each result on MEASURED under (server name, workload)."
+  (let ((start-time (get-internal-real-time)))
     (loop for (server workload round) in cells
           for step from 1
           for cells-left = (- (length cells) step -1)
@@ -379,7 +403,32 @@ Returns the directory."
              (finish-output)
              (push (measure-cell server workload :seconds seconds :warm-seconds warm-seconds
                                                  :core core :directory directory :round round)
-                   (gethash (list (getf server :name) workload) measured)))
+                   (gethash (list (getf server :name) workload) measured)))))
+
+(defun run-benchmarks (&key quick core (servers *servers*) (workloads (workloads quick))
+                            (rounds (if quick 1 3)) (seconds (if quick 2 5))
+                            (output-root "bench/results/"))
+  "Measure every server of SERVERS on every workload, ROUNDS times in turn
+(round by round, so that a slow minute of the machine hits every server),
+and keep each cell's median round; write the results directory and print
+the ratio tables.  QUICK: one round of 2 s cells, 100 connections only.
+Returns the directory."
+  (let* ((*servers* servers)
+         (*static-folder* (make-static-folder))
+         (warm-seconds 2)
+         (directory (format nil "~A~A/" output-root (utc-timestamp)))
+         (cells (loop for workload in workloads
+                      append (loop for round from 1 to rounds
+                                   append (loop for server in *servers*
+                                                collect (list server workload round)))))
+         (measured (make-hash-table :test #'equal))
+         (results '())
+         (baseline-cells (make-hash-table :test #'equal)))
+    (ensure-directories-exist (concatenate 'string directory "raw/"))
+    (write-system-info (concatenate 'string directory "system-info.txt"))
+    (unwind-protect (measure-every-cell cells measured :seconds seconds :warm-seconds warm-seconds
+                                                       :rounds rounds :core core :directory directory)
+      (uiop:run-program (list "rm" "-rf" *static-folder*)))
     (dolist (workload workloads)
       (dolist (server *servers*)
         (let ((cell (median-cell (gethash (list (getf server :name) workload) measured))))

@@ -1,5 +1,6 @@
 ;;;; The Lisp benchmark servers.  bench/run starts each in its own process
-;;;; with SERVE; every one answers GET /yo with 200 text/plain "Hey!" and
+;;;; with SERVE; every one answers GET /yo with 200 text/plain "Hey!", the
+;;;; benchmark's files under /static/ as it serves files by itself, and
 ;;;; GET /bench-stats with counters the driver reads around a measurement;
 ;;;; ours also answer GET /pool-stats with TASKMASTER-STATISTICS.
 
@@ -93,10 +94,23 @@ last reset, on one line."
     (:parallel (start-hunchentoot port 'hrt:parallel-easy-acceptor :reuse-port reuse-port))
     (:aserve (start-aserve port))))
 
-(defun serve (kind port &key (delay-ms 0) reuse-port)
+(defun serve-static-folder (kind folder)
+  "Serve FOLDER under /static/ the way server KIND does by itself:
+Hunchentoot's folder dispatcher, ours, or AllegroServe's directory."
+  (ecase kind
+    (:hunchentoot (push (ht:create-folder-dispatcher-and-handler "/static/" (pathname folder))
+                        ht:*dispatch-table*))
+    (:parallel (push (hrt:create-static-folder-dispatcher-and-handler "/static/" (pathname folder))
+                     ht:*dispatch-table*))
+    (:aserve (net.aserve:publish-directory :prefix "/static/" :destination folder))))
+
+(defun serve (kind port &key (delay-ms 0) reuse-port static-folder)
   "Start the server KIND on 127.0.0.1:PORT (with SO_REUSEPORT when
-REUSE-PORT, ours only) and serve until killed."
+REUSE-PORT, ours only), serving STATIC-FOLDER under /static/ when given,
+and serve until killed."
   (setf *handler-delay* (and (plusp delay-ms) (/ delay-ms 1000)))
+  (when static-folder
+    (serve-static-folder kind static-folder))
   (start-server kind port :reuse-port reuse-port)
   (bt:make-thread #'sample-thread-count-forever :name "bench thread-count sampler")
   (loop (sleep 3600)))

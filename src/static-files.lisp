@@ -157,14 +157,24 @@ when all of them went."
                              (hunchentoot:acceptor-write-timeout hunchentoot:*acceptor*)))
           (t (copy-file-octets file stream start end)))))
 
-(defun begin-file-reply (request return-code content-length)
-  "Write RETURN-CODE's head for a body of CONTENT-LENGTH octets; the stream
-to write the body to."
+(defun call-with-file-reply (request return-code content-length function)
+  "Write RETURN-CODE's head for a body of CONTENT-LENGTH octets, then call
+FUNCTION with the stream to write the body to.  On a plain connection the
+socket is corked from before the head leaves until the body is sent, so
+that head and body share segments."
   (if (typep hunchentoot:*acceptor* 'parallel-acceptor)
-      (send-reply-head request return-code content-length)
+      (let* ((stream (send-reply-head request return-code content-length))
+             (socket-fd (stream-file-descriptor stream)))
+        (if socket-fd
+            (progn
+              (setf (tcp-corked-p socket-fd) t)
+              (unwind-protect (progn (funcall function stream)
+                                     (finish-output stream))
+                (setf (tcp-corked-p socket-fd) nil)))
+            (funcall function stream)))
       (progn (setf (hunchentoot:return-code*) return-code
                    (hunchentoot:content-length*) content-length)
-             (hunchentoot:send-headers))))
+             (funcall function (hunchentoot:send-headers)))))
 
 (defun multipart-parts (ranges size content-type boundary)
   "Each part of a multipart/byteranges body: (START END . PART-HEAD-OCTETS)."
@@ -199,13 +209,15 @@ be sent whole."
                      (hunchentoot:return-code*) hunchentoot:+http-requested-range-not-satisfiable+)
                (hunchentoot:abort-request-handler))
               ((null ranges)
-               (let ((stream (begin-file-reply request hunchentoot:+http-ok+ size)))
-                 (unless head-p (finish (send-file-body file stream 0 size)))))
+               (call-with-file-reply request hunchentoot:+http-ok+ size
+                                     (lambda (stream)
+                                       (unless head-p (finish (send-file-body file stream 0 size))))))
               ((null (rest ranges))
                (destructuring-bind ((start . end)) ranges
                  (setf (hunchentoot:header-out :content-range) (format nil "bytes ~D-~D/~D" start (1- end) size))
-                 (let ((stream (begin-file-reply request hunchentoot:+http-partial-content+ (- end start))))
-                   (finish (send-file-body file stream start end)))))
+                 (call-with-file-reply request hunchentoot:+http-partial-content+ (- end start)
+                                       (lambda (stream)
+                                         (finish (send-file-body file stream start end))))))
               (t
                (let* ((boundary (format nil "~36R~36R" (random (expt 2 62)) (get-universal-time)))
                       (parts (multipart-parts ranges size content-type boundary))
@@ -213,14 +225,15 @@ be sent whole."
                                                               #\Return #\Linefeed)
                                                       :external-format :latin-1)))
                  (setf (hunchentoot:content-type*) (format nil "multipart/byteranges; boundary=~A" boundary))
-                 (let ((stream (begin-file-reply request hunchentoot:+http-partial-content+
-                                                 (+ (length closing)
-                                                    (loop for (start end . part-head) in parts
-                                                          sum (+ (length part-head) (- end start)))))))
-                   (loop for (start end . part-head) in parts
-                         do (write-sequence part-head stream)
-                            (finish (send-file-body file stream start end)))
-                   (write-sequence closing stream)))))
+                 (call-with-file-reply request hunchentoot:+http-partial-content+
+                                       (+ (length closing)
+                                          (loop for (start end . part-head) in parts
+                                                sum (+ (length part-head) (- end start))))
+                                       (lambda (stream)
+                                         (loop for (start end . part-head) in parts
+                                               do (write-sequence part-head stream)
+                                                  (finish (send-file-body file stream start end)))
+                                         (write-sequence closing stream))))))
         (unless complete-p
           ;; The client has been promised octets it did not get: the next
           ;; reply on this connection would be read as the rest of them.

@@ -361,6 +361,22 @@ is what was looked at, whatever happens to the name meanwhile."
     (declare (ignore device inode))
     (and ok (= (logand mode +s-ifmt+) +s-ifdir+))))
 
+(defconstant +ipproto-tcp+ 6)
+(defconstant +tcp-cork+ 3)
+
+(defun (setf tcp-corked-p) (corked-p fd)
+  "Hold back partial segments on the TCP socket FD while CORKED-P, so that a
+head written before a sendfile(2) goes out with the file's first octets
+rather than alone (where the client's delayed ACK would stall the rest);
+uncorking sends what is held.  Errors are ignored: FD may not be TCP."
+  (sb-alien:with-alien ((option-value sb-alien:int))
+    (setf option-value (if corked-p 1 0))
+    (sb-alien:alien-funcall
+     (sb-alien:extern-alien "setsockopt" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int
+                                                   (* sb-alien:int) sb-alien:unsigned))
+     fd +ipproto-tcp+ +tcp-cork+ (sb-alien:addr option-value) 4)
+    corked-p))
+
 (defun stream-file-descriptor (stream)
   "The descriptor STREAM writes to when it is SBCL's plain fd-stream, else NIL."
   (and (typep stream 'sb-sys:fd-stream)
