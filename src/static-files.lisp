@@ -159,16 +159,16 @@ when all of them went."
 
 (defun call-with-file-reply (request return-code content-length function)
   "Write RETURN-CODE's head for a body of CONTENT-LENGTH octets, then call
-FUNCTION with the stream to write the body to.  On a plain connection the
-socket is corked from before the head leaves until the body is sent, so
-that head and body share segments."
+FUNCTION with the stream to write the body to, and return its value.  On a
+plain connection the socket is corked from before the head leaves until
+the body is sent, so that head and body share segments."
   (if (typep hunchentoot:*acceptor* 'parallel-acceptor)
       (let* ((stream (send-reply-head request return-code content-length))
              (socket-fd (stream-file-descriptor stream)))
         (if socket-fd
             (progn
               (setf (tcp-corked-p socket-fd) t)
-              (unwind-protect (progn (funcall function stream)
+              (unwind-protect (prog1 (funcall function stream)
                                      (finish-output stream))
                 (setf (tcp-corked-p socket-fd) nil)))
             (funcall function stream)))
@@ -200,45 +200,43 @@ be sent whole."
                         (eq (hunchentoot:request-method request) :get)
                         (range-applies-p file tag)
                         (parse-byte-ranges range-header size)))
-           (complete-p t))
-      (flet ((finish (sent-p)
-               (unless sent-p
-                 (setf complete-p nil))))
-        (cond ((eq ranges :unsatisfiable)
-               (setf (hunchentoot:header-out :content-range) (format nil "bytes */~D" size)
-                     (hunchentoot:return-code*) hunchentoot:+http-requested-range-not-satisfiable+)
-               (hunchentoot:abort-request-handler))
-              ((null ranges)
-               (call-with-file-reply request hunchentoot:+http-ok+ size
-                                     (lambda (stream)
-                                       (unless head-p (finish (send-file-body file stream 0 size))))))
-              ((null (rest ranges))
-               (destructuring-bind ((start . end)) ranges
-                 (setf (hunchentoot:header-out :content-range) (format nil "bytes ~D-~D/~D" start (1- end) size))
-                 (call-with-file-reply request hunchentoot:+http-partial-content+ (- end start)
-                                       (lambda (stream)
-                                         (finish (send-file-body file stream start end))))))
-              (t
-               (let* ((boundary (format nil "~36R~36R" (random (expt 2 62)) (get-universal-time)))
-                      (parts (multipart-parts ranges size content-type boundary))
-                      (closing (flex:string-to-octets (format nil "~C~C--~A--~C~C" #\Return #\Linefeed boundary
-                                                              #\Return #\Linefeed)
-                                                      :external-format :latin-1)))
-                 (setf (hunchentoot:content-type*) (format nil "multipart/byteranges; boundary=~A" boundary))
-                 (call-with-file-reply request hunchentoot:+http-partial-content+
-                                       (+ (length closing)
-                                          (loop for (start end . part-head) in parts
-                                                sum (+ (length part-head) (- end start))))
-                                       (lambda (stream)
-                                         (loop for (start end . part-head) in parts
-                                               do (write-sequence part-head stream)
-                                                  (finish (send-file-body file stream start end)))
-                                         (write-sequence closing stream))))))
-        (unless complete-p
-          ;; The client has been promised octets it did not get: the next
-          ;; reply on this connection would be read as the rest of them.
-          (setf (finish-processing-connection-p) t))
-        nil))))
+           (sent-whole-p
+             (cond ((eq ranges :unsatisfiable)
+                    (setf (hunchentoot:header-out :content-range) (format nil "bytes */~D" size)
+                          (hunchentoot:return-code*) hunchentoot:+http-requested-range-not-satisfiable+)
+                    (hunchentoot:abort-request-handler))
+                   ((null ranges)
+                    (call-with-file-reply request hunchentoot:+http-ok+ size
+                                          (lambda (stream)
+                                            (or head-p (send-file-body file stream 0 size)))))
+                   ((null (rest ranges))
+                    (destructuring-bind ((start . end)) ranges
+                      (setf (hunchentoot:header-out :content-range)
+                            (format nil "bytes ~D-~D/~D" start (1- end) size))
+                      (call-with-file-reply request hunchentoot:+http-partial-content+ (- end start)
+                                            (lambda (stream)
+                                              (send-file-body file stream start end)))))
+                   (t
+                    (let* ((boundary (format nil "~36R~36R" (random (expt 2 62)) (get-universal-time)))
+                           (parts (multipart-parts ranges size content-type boundary))
+                           (closing (flex:string-to-octets (format nil "~C~C--~A--~C~C" #\Return #\Linefeed
+                                                                   boundary #\Return #\Linefeed)
+                                                           :external-format :latin-1)))
+                      (setf (hunchentoot:content-type*) (format nil "multipart/byteranges; boundary=~A" boundary))
+                      (call-with-file-reply request hunchentoot:+http-partial-content+
+                                            (+ (length closing)
+                                               (loop for (start end . part-head) in parts
+                                                     sum (+ (length part-head) (- end start))))
+                                            (lambda (stream)
+                                              (and (loop for (start end . part-head) in parts
+                                                         always (progn (write-sequence part-head stream)
+                                                                       (send-file-body file stream start end)))
+                                                   (progn (write-sequence closing stream) t)))))))))
+      (unless sent-whole-p
+        ;; The client has been promised octets it did not get: the next
+        ;; reply on this connection would be read as the rest of them.
+        (setf (finish-processing-connection-p) t))
+      nil)))
 
 (defun serve-static-file (pathname &key content-type cache-control (precompressed t))
   "A handler's answer with the file PATHNAME, as HUNCHENTOOT:HANDLE-STATIC-FILE
@@ -257,12 +255,11 @@ connection the body goes by sendfile(2).  Returns NIL once the reply is
 sent, as a handler that sent it itself; unspecified: when the octets leave
 the kernel."
   (let* ((namestring (if (pathnamep pathname) (native-path pathname) pathname))
-         (gzip-sibling (and precompressed (concatenate 'string namestring ".gz")))
-         (gzip-p (and gzip-sibling (probe-regular-file-p gzip-sibling)))
-         (file (or (and gzip-p
-                        (accepts-gzip-p (hunchentoot:header-in* :accept-encoding))
-                        (open-file-to-send gzip-sibling "gzip"))
-                   (open-file-to-send namestring))))
+         (gzip-sibling (and precompressed (open-file-to-send (concatenate 'string namestring ".gz") "gzip")))
+         (file (if (and gzip-sibling (accepts-gzip-p (hunchentoot:header-in* :accept-encoding)))
+                   gzip-sibling
+                   (progn (when gzip-sibling (close-fd (file-to-send-fd gzip-sibling)))
+                          (open-file-to-send namestring)))))
     (unless file
       (setf (hunchentoot:return-code*) hunchentoot:+http-not-found+)
       (hunchentoot:abort-request-handler))
@@ -277,18 +274,12 @@ the kernel."
                  (hunchentoot:header-out :accept-ranges) "bytes")
            (when cache-control
              (setf (hunchentoot:header-out :cache-control) cache-control))
-           (when gzip-p
+           (when gzip-sibling
              (setf (hunchentoot:header-out :vary) "Accept-Encoding"))
            (when (file-to-send-content-encoding file)
              (setf (hunchentoot:header-out :content-encoding) (file-to-send-content-encoding file)))
            (send-file-reply hunchentoot:*request* file content-type tag))
       (close-fd (file-to-send-fd file)))))
-
-(defun probe-regular-file-p (namestring)
-  (multiple-value-bind (fd) (open-regular-file namestring)
-    (when fd
-      (close-fd fd)
-      t)))
 
 ;;; The folder dispatcher.
 
