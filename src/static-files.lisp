@@ -72,10 +72,9 @@ or as *) with a weight above zero."
              thereis (cl-ppcre:register-groups-bind (name weight)
                          ("(?i)^\\s*(gzip|x-gzip|\\*)\\s*(?:;\\s*q\\s*=\\s*([0-9.]+))?\\s*$" coding)
                        (declare (ignore name))
+                       ;; A weight of zero (0, 0., 0.000) refuses the coding.
                        (or (null weight)
-                           (let ((value (ignore-errors (let ((*read-eval* nil))
-                                                         (read-from-string weight)))))
-                             (and (realp value) (plusp value))))))))
+                           (not (cl-ppcre:scan "^0\\.?0*$" weight)))))))
 
 ;;; Preconditions (RFC 9110 13.2.2, for GET and HEAD).
 
@@ -193,8 +192,7 @@ be sent whole."
   (let ((size (file-to-send-size file))
         (head-p (eq (hunchentoot:request-method request) :head)))
     (when (not-modified-p file tag)
-      (setf (hunchentoot:return-code*) hunchentoot:+http-not-modified+)
-      (hunchentoot:abort-request-handler))
+      (end-request-with hunchentoot:+http-not-modified+))
     (let* ((range-header (hunchentoot:header-in* :range))
            (ranges (and range-header
                         (eq (hunchentoot:request-method request) :get)
@@ -202,9 +200,8 @@ be sent whole."
                         (parse-byte-ranges range-header size)))
            (sent-whole-p
              (cond ((eq ranges :unsatisfiable)
-                    (setf (hunchentoot:header-out :content-range) (format nil "bytes */~D" size)
-                          (hunchentoot:return-code*) hunchentoot:+http-requested-range-not-satisfiable+)
-                    (hunchentoot:abort-request-handler))
+                    (setf (hunchentoot:header-out :content-range) (format nil "bytes */~D" size))
+                    (end-request-with hunchentoot:+http-requested-range-not-satisfiable+))
                    ((null ranges)
                     (call-with-file-reply request hunchentoot:+http-ok+ size
                                           (lambda (stream)
@@ -238,6 +235,11 @@ be sent whole."
         (setf (finish-processing-connection-p) t))
       nil)))
 
+(defun end-request-with (status)
+  "End the handler with STATUS, answered with the acceptor's status message."
+  (setf (hunchentoot:return-code*) status)
+  (hunchentoot:abort-request-handler))
+
 (defun serve-static-file (pathname &key content-type cache-control (precompressed t))
   "A handler's answer with the file PATHNAME, as HUNCHENTOOT:HANDLE-STATIC-FILE
 answers it and with what RFC 9110 adds: Last-Modified, a strong ETag (from
@@ -261,8 +263,7 @@ the kernel."
                    (progn (when gzip-sibling (close-fd (file-to-send-fd gzip-sibling)))
                           (open-file-to-send namestring)))))
     (unless file
-      (setf (hunchentoot:return-code*) hunchentoot:+http-not-found+)
-      (hunchentoot:abort-request-handler))
+      (end-request-with hunchentoot:+http-not-found+))
     (unwind-protect
          (let ((content-type (or content-type
                                  (hunchentoot:mime-type (file-namestring namestring))
@@ -323,23 +324,18 @@ FOLLOW-OUTSIDE-LINKS-P."
       (error 'invalid-static-folder :initarg 'base-path :value base-path
                                     :reason "names no existing directory"))
     (let ((folder-prefix (if (char= (char folder (1- (length folder))) #\/) folder (concatenate 'string folder "/"))))
-      (lambda (request)
-        (let ((script-name (hunchentoot:script-name request)))
-          (when (and (>= (length script-name) (length uri-prefix))
-                     (string= uri-prefix script-name :end2 (length uri-prefix)))
-            (lambda ()
-              (let ((relative (folder-relative-path script-name uri-prefix)))
-                (case relative
-                  ((nil) (setf (hunchentoot:return-code*) hunchentoot:+http-not-found+)
-                   (hunchentoot:abort-request-handler))
-                  (:forbidden (setf (hunchentoot:return-code*) hunchentoot:+http-forbidden+)
-                   (hunchentoot:abort-request-handler)))
-                (let* ((namestring (concatenate 'string folder-prefix relative))
-                       (resolved (real-path namestring)))
-                  (unless (and resolved
-                               (or follow-outside-links-p
-                                   (and (> (length resolved) (length folder-prefix))
-                                        (string= folder-prefix resolved :end2 (length folder-prefix)))))
-                    (setf (hunchentoot:return-code*) hunchentoot:+http-not-found+)
-                    (hunchentoot:abort-request-handler))
-                  (serve-static-file namestring :content-type content-type :cache-control cache-control))))))))))
+      (hunchentoot:create-prefix-dispatcher
+       uri-prefix
+       (lambda ()
+         (let ((relative (folder-relative-path (hunchentoot:script-name*) uri-prefix)))
+           (case relative
+             ((nil) (end-request-with hunchentoot:+http-not-found+))
+             (:forbidden (end-request-with hunchentoot:+http-forbidden+)))
+           (let* ((namestring (concatenate 'string folder-prefix relative))
+                  (resolved (real-path namestring)))
+             (unless (and resolved
+                          (or follow-outside-links-p
+                              (and (> (length resolved) (length folder-prefix))
+                                   (string= folder-prefix resolved :end2 (length folder-prefix)))))
+               (end-request-with hunchentoot:+http-not-found+))
+             (serve-static-file namestring :content-type content-type :cache-control cache-control))))))))

@@ -137,15 +137,19 @@ other: its number, or NIL when none could be opened."
       (foreign-error "getsockopt"))
     value))
 
-(defun (setf socket-option) (value fd option)
+(defun set-integer-socket-option (fd level option value)
+  "setsockopt(2) of the integer OPTION at LEVEL of FD to VALUE.  True when it took."
   (sb-alien:with-alien ((option-value sb-alien:int))
     (setf option-value value)
-    (unless (zerop (sb-alien:alien-funcall
-                    (sb-alien:extern-alien "setsockopt" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int
-                                                                  (* sb-alien:int) sb-alien:unsigned))
-                    fd +sol-socket+ option (sb-alien:addr option-value) 4))
-      (foreign-error "setsockopt"))
-    value))
+    (zerop (sb-alien:alien-funcall
+            (sb-alien:extern-alien "setsockopt" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int
+                                                          (* sb-alien:int) sb-alien:unsigned))
+            fd level option (sb-alien:addr option-value) 4))))
+
+(defun (setf socket-option) (value fd option)
+  (unless (set-integer-socket-option fd +sol-socket+ option value)
+    (foreign-error "setsockopt"))
+  value)
 
 (defun listen-on (address-vector port backlog &key reuse-port)
   "A usocket listening on ADDRESS-VECTOR (4 octets for IPv4, 16 for IPv6) and
@@ -369,13 +373,8 @@ is what was looked at, whatever happens to the name meanwhile."
 head written before a sendfile(2) goes out with the file's first octets
 rather than alone (where the client's delayed ACK would stall the rest);
 uncorking sends what is held.  Errors are ignored: FD may not be TCP."
-  (sb-alien:with-alien ((option-value sb-alien:int))
-    (setf option-value (if corked-p 1 0))
-    (sb-alien:alien-funcall
-     (sb-alien:extern-alien "setsockopt" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int
-                                                   (* sb-alien:int) sb-alien:unsigned))
-     fd +ipproto-tcp+ +tcp-cork+ (sb-alien:addr option-value) 4)
-    corked-p))
+  (set-integer-socket-option fd +ipproto-tcp+ +tcp-cork+ (if corked-p 1 0))
+  corked-p)
 
 (defun stream-file-descriptor (stream)
   "The descriptor STREAM writes to when it is SBCL's plain fd-stream, else NIL."
@@ -388,14 +387,12 @@ sendfile(2), in the kernel, waiting at most TIMEOUT seconds (NIL: no
 limit) each time the socket has no room.  True when they all went; false
 when the client stopped taking them in time, left, or the file ended
 early (it was truncated)."
-  (let ((flags (sb-alien:alien-funcall
-                (sb-alien:extern-alien "fcntl" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int))
-                socket-fd +f-getfl+ 0)))
-    (flet ((set-flags (value)
-             (sb-alien:alien-funcall
-              (sb-alien:extern-alien "fcntl" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int))
-              socket-fd +f-setfl+ value)))
-      (set-flags (logior flags +o-nonblock+))
+  (flet ((fcntl (command value)
+           (sb-alien:alien-funcall
+            (sb-alien:extern-alien "fcntl" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int))
+            socket-fd command value)))
+    (let ((flags (fcntl +f-getfl+ 0)))
+      (fcntl +f-setfl+ (logior flags +o-nonblock+))
       (unwind-protect
            (sb-alien:with-alien ((offset (sb-alien:signed 64)))
              (setf offset start)
@@ -414,7 +411,7 @@ early (it was truncated)."
                                                           (if timeout (max 1 (round (* 1000 timeout))) -1))
                           (return nil)))
                        (t (return nil))))))
-        (set-flags flags)))))
+        (fcntl +f-setfl+ flags)))))
 
 (defun read-file-octets (fd buffer position)
   "Read from FD at POSITION into BUFFER (octets) with pread(2), without
