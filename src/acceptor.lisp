@@ -31,7 +31,15 @@ NIL when it makes its own listening socket."))
   (:documentation "The largest header block ACCEPTOR answers; a larger one
 gets 431."))
 
-(defclass parallel-acceptor (hunchentoot:acceptor)
+(defclass static-document-root (hunchentoot:acceptor)
+  ()
+  (:documentation "Serves the acceptor's HUNCHENTOOT:ACCEPTOR-DOCUMENT-ROOT
+by SERVE-STATIC-FILE (static-files.lisp) in place of Hunchentoot's
+HANDLE-STATIC-FILE.  Placed after HUNCHENTOOT:EASY-ACCEPTOR in the
+precedence list of an easy acceptor, so that the dispatch table is looked
+at first, as Hunchentoot does."))
+
+(defclass parallel-acceptor (static-document-root)
   ((connection-engine
     :initarg :connection-engine :reader acceptor-connection-engine
     :documentation ":READINESS-SET, the only engine: connections waiting for
@@ -122,19 +130,19 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
              :initarg :max-header-bytes :value bytes
              :reason "must be an integer from 1024 to 1048576"))))
 
-(defclass parallel-easy-acceptor (parallel-acceptor hunchentoot:easy-acceptor)
+(defclass parallel-easy-acceptor (parallel-acceptor hunchentoot:easy-acceptor static-document-root)
   ()
   (:documentation "HUNCHENTOOT:EASY-ACCEPTOR served by a RECYCLING-TASKMASTER:
 DEFINE-EASY-HANDLER handlers and static files work as with EASY-ACCEPTOR."))
 
-(defclass parallel-ssl-acceptor (parallel-acceptor hunchentoot:ssl-acceptor)
+(defclass parallel-ssl-acceptor (parallel-acceptor hunchentoot:ssl-acceptor static-document-root)
   ()
   (:documentation "HUNCHENTOOT:SSL-ACCEPTOR served by a RECYCLING-TASKMASTER.
 Takes the same :SSL-CERTIFICATE-FILE, :SSL-PRIVATEKEY-FILE and
 :SSL-PRIVATEKEY-PASSWORD initargs."))
 
 (defclass parallel-easy-ssl-acceptor (parallel-easy-acceptor parallel-ssl-acceptor
-                                      hunchentoot:easy-ssl-acceptor)
+                                      hunchentoot:easy-ssl-acceptor static-document-root)
   ()
   (:documentation "HUNCHENTOOT:EASY-SSL-ACCEPTOR served by a RECYCLING-TASKMASTER."))
 

@@ -11,6 +11,8 @@
     (:peak-threads "peak_threads" gauge "The most workers the pool has held at once.")
     (:parked-connections "parked_connections" gauge "Connections waiting for bytes without a thread.")
     (:open-connections "open_connections" gauge "Connections parked or being served.")
+    (:unsent-replies "unsent_replies" gauge
+     "Connections whose reply the socket has not taken whole, waiting for the client to read.")
     (:requests-served "requests_served_total" counter "Requests answered through a handler.")
     (:threads-created "threads_created_total" counter "Worker threads made.")
     (:threads-retired "threads_retired_total" counter "Worker threads ended as surplus.")
@@ -18,7 +20,9 @@
      "Times the pool was asked to grow while the processors had no idle time, and did not.")
     (:connections-accepted "connections_accepted_total" counter "Connections accepted.")
     (:keep-alive-timeouts "keep_alive_timeouts_total" counter
-     "Kept-alive connections closed at the keep-alive timeout."))
+     "Kept-alive connections closed at the keep-alive timeout.")
+    (:write-timeouts "write_timeouts_total" counter
+     "Connections closed because their client took none of its reply for the write timeout."))
   "Each scalar key of TASKMASTER-STATISTICS: its metric name (after the
 prefix), its type and its help text.")
 

@@ -4,9 +4,10 @@
 ;;;; ranges (single, suffix, open, several as multipart/byteranges, 416 when
 ;;;; none can be satisfied), a precompressed .gz sibling for a client that
 ;;;; accepts gzip, HEAD -- and, under a parallel acceptor on a plain
-;;;; connection, writes the head as octets and the body with sendfile(2)
-;;;; from the descriptor it opened and looked at once: no copy through Lisp.
-;;;; Elsewhere (TLS, Hunchentoot's own acceptors) the same reply is copied
+;;;; connection, hands the head as octets and the body as ranges of the
+;;;; descriptor it opened and looked at once to the engine, which sends them
+;;;; with sendfile(2), no copy through Lisp, and what a slow client does not
+;;;; take at once when it reads, without a worker waiting.  Elsewhere (TLS, Hunchentoot's own acceptors) the same reply is copied
 ;;;; through the connection's stream.  CREATE-STATIC-FOLDER-DISPATCHER-AND-HANDLER
 ;;;; is HUNCHENTOOT:CREATE-FOLDER-DISPATCHER-AND-HANDLER served this way,
 ;;;; with the request path kept inside its folder.
@@ -16,9 +17,6 @@
 (defconstant +max-byte-ranges+ 64
   "The most ranges one Range header may ask for; past it the header is
 ignored and the whole file sent (RFC 9110 14.2 lets a server ignore it).")
-
-(defconstant +copy-buffer-octets+ 65536
-  "The piece in which a file is copied where it cannot be sent by sendfile.")
 
 ;;; HTTP dates (RFC 9110 5.6.7): IMF-fixdate, and the two obsolete forms a
 ;;; recipient must still read.
@@ -134,56 +132,32 @@ unit other than bytes, or more than +MAX-BYTE-RANGES+ ranges)."
 
 ;;; Sending.
 
-(defun copy-file-octets (file stream start end)
-  "Write the octets of FILE from START below END to STREAM through a buffer.
-True when they all could be read."
-  (let ((buffer (make-array (min +copy-buffer-octets+ (max 1 (- end start))) :element-type '(unsigned-byte 8))))
-    (loop for position = start then (+ position count)
-          for count = (and (< position end)
-                           (read-file-octets (file-to-send-fd file) buffer position))
-          while (and count (plusp count))
-          do (write-sequence buffer stream :end (min count (- end position)))
-          finally (return (>= position end)))))
-
-(defun send-file-body (file stream start end)
-  "Send FILE's octets from START below END after the head written to STREAM:
-by sendfile(2) when STREAM is the plain connection, else copied.  True
-when all of them went."
-  (let ((socket-fd (stream-file-descriptor stream)))
-    (cond (socket-fd
-           (finish-output stream)
-           (send-file-octets socket-fd (file-to-send-fd file) start end
-                             (hunchentoot:acceptor-write-timeout hunchentoot:*acceptor*)))
-          (t (copy-file-octets file stream start end)))))
-
-(defun call-with-file-reply (request return-code content-length function)
-  "Write RETURN-CODE's head for a body of CONTENT-LENGTH octets, then call
-FUNCTION with the stream to write the body to, and return its value.  On a
-plain connection the socket is corked from before the head leaves until
-the body is sent, so that head and body share segments."
+(defun send-file-pieces (request file return-code content-length pieces)
+  "Send RETURN-CODE's head for a body of CONTENT-LENGTH octets, then PIECES
+of FILE: under a parallel acceptor by SEND-REPLY-PIECES (sendfile(2) on a
+plain connection), under Hunchentoot's own after HUNCHENTOOT:SEND-HEADERS.
+True when the body went whole or will."
   (if (typep hunchentoot:*acceptor* 'parallel-acceptor)
-      (let* ((stream (send-reply-head request return-code content-length))
-             (socket-fd (stream-file-descriptor stream)))
-        (if socket-fd
-            (progn
-              (setf (tcp-corked-p socket-fd) t)
-              (unwind-protect (prog1 (funcall function stream)
-                                     (finish-output stream))
-                (setf (tcp-corked-p socket-fd) nil)))
-            (funcall function stream)))
+      (send-reply-pieces request return-code content-length pieces (file-to-send-fd file))
       (progn (setf (hunchentoot:return-code*) return-code
                    (hunchentoot:content-length*) content-length)
-             (funcall function (hunchentoot:send-headers)))))
+             (write-pieces pieces (file-to-send-fd file) (hunchentoot:send-headers)))))
 
-(defun multipart-parts (ranges size content-type boundary)
-  "Each part of a multipart/byteranges body: (START END . PART-HEAD-OCTETS)."
-  (loop for (start . end) in ranges
-        collect (list* start end
-                       (flex:string-to-octets
-                        (format nil "~C~C--~A~C~CContent-Type: ~A~C~CContent-Range: bytes ~D-~D/~D~C~C~C~C"
-                                #\Return #\Linefeed boundary #\Return #\Linefeed content-type #\Return #\Linefeed
-                                start (1- end) size #\Return #\Linefeed #\Return #\Linefeed)
-                        :external-format :latin-1))))
+(defun latin-1-octets (control &rest arguments)
+  (flex:string-to-octets (apply #'format nil control arguments) :external-format :latin-1))
+
+(defun multipart-pieces (ranges size content-type boundary)
+  "The pieces of a multipart/byteranges body of RANGES of a file of SIZE
+octets: each part's head, then its octets of the file; then the closing
+boundary."
+  (flet ((octets-piece (octets) (make-octets-piece octets 0 (length octets))))
+    (append (loop for (start . end) in ranges
+                  collect (octets-piece (latin-1-octets "~C~C--~A~C~CContent-Type: ~A~C~CContent-Range: bytes ~D-~D/~D~C~C~C~C"
+                                                        #\Return #\Linefeed boundary #\Return #\Linefeed
+                                                        content-type #\Return #\Linefeed
+                                                        start (1- end) size #\Return #\Linefeed #\Return #\Linefeed))
+                  collect (make-file-piece start end))
+            (list (octets-piece (latin-1-octets "~C~C--~A--~C~C" #\Return #\Linefeed boundary #\Return #\Linefeed))))))
 
 (defun send-file-reply (request file content-type tag)
   "Answer REQUEST with FILE: 304, 416, 206 or 200 as its preconditions and
@@ -203,32 +177,21 @@ be sent whole."
                     (setf (hunchentoot:header-out :content-range) (format nil "bytes */~D" size))
                     (end-request-with hunchentoot:+http-requested-range-not-satisfiable+))
                    ((null ranges)
-                    (call-with-file-reply request hunchentoot:+http-ok+ size
-                                          (lambda (stream)
-                                            (or head-p (send-file-body file stream 0 size)))))
+                    (send-file-pieces request file hunchentoot:+http-ok+ size
+                                      (unless head-p (list (make-file-piece 0 size)))))
                    ((null (rest ranges))
                     (destructuring-bind ((start . end)) ranges
                       (setf (hunchentoot:header-out :content-range)
                             (format nil "bytes ~D-~D/~D" start (1- end) size))
-                      (call-with-file-reply request hunchentoot:+http-partial-content+ (- end start)
-                                            (lambda (stream)
-                                              (send-file-body file stream start end)))))
+                      (send-file-pieces request file hunchentoot:+http-partial-content+ (- end start)
+                                        (list (make-file-piece start end)))))
                    (t
                     (let* ((boundary (format nil "~36R~36R" (random (expt 2 62)) (get-universal-time)))
-                           (parts (multipart-parts ranges size content-type boundary))
-                           (closing (flex:string-to-octets (format nil "~C~C--~A--~C~C" #\Return #\Linefeed
-                                                                   boundary #\Return #\Linefeed)
-                                                           :external-format :latin-1)))
+                           (pieces (multipart-pieces ranges size content-type boundary)))
                       (setf (hunchentoot:content-type*) (format nil "multipart/byteranges; boundary=~A" boundary))
-                      (call-with-file-reply request hunchentoot:+http-partial-content+
-                                            (+ (length closing)
-                                               (loop for (start end . part-head) in parts
-                                                     sum (+ (length part-head) (- end start))))
-                                            (lambda (stream)
-                                              (and (loop for (start end . part-head) in parts
-                                                         always (progn (write-sequence part-head stream)
-                                                                       (send-file-body file stream start end)))
-                                                   (progn (write-sequence closing stream) t)))))))))
+                      (send-file-pieces request file hunchentoot:+http-partial-content+
+                                        (loop for piece in pieces sum (- (piece-end piece) (piece-start piece)))
+                                        pieces))))))
       (unless sent-whole-p
         ;; The client has been promised octets it did not get: the next
         ;; reply on this connection would be read as the rest of them.
@@ -339,3 +302,17 @@ FOLLOW-OUTSIDE-LINKS-P."
                                    (string= folder-prefix resolved :end2 (length folder-prefix)))))
                (end-request-with hunchentoot:+http-not-found+))
              (serve-static-file namestring :content-type content-type :cache-control cache-control))))))))
+
+;;; The acceptor's document root.
+
+(defmethod hunchentoot:acceptor-dispatch-request ((acceptor static-document-root) request)
+  "Answer a request no handler took with the file under
+HUNCHENTOOT:ACCEPTOR-DOCUMENT-ROOT that its path names (index.html for /),
+as Hunchentoot's own method does, but sent by SERVE-STATIC-FILE; 404 when
+there is no document root or the path is refused."
+  (let ((root (hunchentoot:acceptor-document-root acceptor))
+        (path (hunchentoot:request-pathname request)))
+    (if (and root path)
+        (serve-static-file (merge-pathnames (if (equal "/" (hunchentoot:script-name request)) #p"index.html" path)
+                                            root))
+        (call-next-method))))

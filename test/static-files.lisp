@@ -264,3 +264,31 @@ octet, too slow for a mebibyte on a loaded machine."
             (is-true closed-p "the connection ended")
             (is (< received size) "~D octets of ~D arrived" received size)
             (is (> received (* 1024 1024)) "what was sent before the cut arrived")))))))
+
+(test static.document-root-is-served-by-the-engine
+  ;; An ETag and ranges show SERVE-STATIC-FILE answering, not Hunchentoot's
+  ;; HANDLE-STATIC-FILE, which sends neither.
+  (let ((folder (make-static-folder)))
+    (write-file-octets (concatenate 'string folder "index.html") (flex:string-to-octets "<p>index</p>"))
+    (unwind-protect
+         (dolist (class '(parallel-easy-acceptor parallel-acceptor))
+           (with-server (server (make-server class :document-root (pathname folder)))
+             (multiple-value-bind (status head body) (static-reply server "GET" "/alphabet.txt")
+               (is (eql 200 status) "~A: ~D" class status)
+               (is (equal *alphabet* body))
+               (is (header-value head "ETag") "~A: the engine's reply has an ETag" class))
+             (multiple-value-bind (status head body) (static-reply server "GET" "/alphabet.txt" "Range: bytes=0-2")
+               (declare (ignore head))
+               (is (eql 206 status))
+               (is (equal "abc" body)))
+             (is (equal "<p>index</p>" (nth-value 2 (static-reply server "GET" "/"))) "/ is index.html")
+             (is (eql 200 (static-reply server "GET" "/sub/inner.txt")))
+             (dolist (path '("/../alphabet.txt" "/sub/../../etc/passwd" "/no-such-file" "/sub/" "/sub"))
+               (is (eql 404 (static-reply server "GET" path)) "~A: ~A is 404" class path))
+             (when (eq class 'parallel-easy-acceptor)
+               (is (equal "Hey!" (nth-value 2 (static-reply server "GET" "/test/yo")))
+                   "handlers are dispatched before the document root"))
+             (multiple-value-bind (status body) (large-reply server "/big.bin")
+               (is (eql 200 status))
+               (is (equalp (big-file-octets) body)))))
+      (uiop:run-program (list "rm" "-rf" folder)))))

@@ -170,8 +170,10 @@ octets."
                                        (when (malformed-body-unanswered-p content-stream chunked-p)
                                          (return-from answer-buffered-request (values :refuse 400))))))
                       (setf (values outcome status)
-                            (answer-request acceptor head (connection-addresses connection)
-                                            stream content-stream chunked-p)))
+                            (let ((*reply-connection* (and (not chunked-p) (plain-connection-p connection)
+                                                           connection)))
+                              (answer-request acceptor head (connection-addresses connection)
+                                              stream content-stream chunked-p))))
                  ;; Also when the request failed: a soft STOP waits for it.
                  (note-request-finished taskmaster worker :answered (and outcome t)))
                (count-answered-request (engine-readiness-set engine) status started)
@@ -186,14 +188,19 @@ octets."
                     (if next-end (values :keep-alive next-end) :close))))))))))
 
 (defun answer-arrived-requests (engine worker connection)
-  "Answer every request CONNECTION has sent so far.  Returns what is to
-become of it: :PARK and the end of the partial head at the start of
-WORKER's buffer (0 for none); :CLOSE; :LET-GO; or :REFUSE and a status.
-The octets of the next request always start the buffer: NEXT-REQUEST-OCTETS
-moves them there."
+  "Send the rest of CONNECTION's last reply, then answer every request it
+has sent so far.  Returns what is to become of it: :PARK and the end of
+the partial head at the start of WORKER's buffer (0 for none); :SEND-REST
+and the same, when the socket did not take a reply whole; :CLOSE; :LET-GO;
+or :REFUSE and a status.  The octets of the next request always start the
+buffer: NEXT-REQUEST-OCTETS moves them there."
   (let* ((buffer (worker-buffer worker))
          (max-header-bytes (acceptor-max-header-bytes (engine-acceptor engine)))
          (end (take-pending-bytes connection buffer)))
+    (when (connection-outgoing connection)
+      (case (send-outgoing (engine-readiness-set engine) connection)
+        (:would-block (return-from answer-arrived-requests (values :send-rest end)))
+        (:close (return-from answer-arrived-requests :close))))
     (loop
       (multiple-value-bind (status request-start request-line-end head-end)
           (scan-request-head buffer 0 end max-header-bytes)
@@ -203,6 +210,10 @@ moves them there."
                (answer-buffered-request engine worker connection
                                         request-start request-line-end head-end end)
              (setf (connection-answered-p connection) t)
+             (let ((outgoing (connection-outgoing connection)))
+               (when outgoing
+                 (setf (outgoing-then outgoing) (if (eq outcome :keep-alive) :keep-alive :close))
+                 (return (values :send-rest (if (eq outcome :keep-alive) next 0)))))
              (unless (eq outcome :keep-alive)
                (return (values outcome next)))
              (setf end next
@@ -249,6 +260,16 @@ pool is stopping."
              (setf (connection-pending connection) (subseq buffer 0 end)))
            (park-until engine set connection deadline)))))
 
+(defun park-until-writable (engine set connection buffer end)
+  "Park CONNECTION, whose reply its socket did not take whole, until the
+socket has room, keeping the END octets of BUFFER (requests the client
+sent meanwhile); the client has the write timeout to take more."
+  (when (plusp end)
+    (setf (connection-pending connection) (subseq buffer 0 end)))
+  (setf (connection-awaiting connection) :output
+        (connection-timeout-status connection) nil)
+  (park-until engine set connection (+ (get-internal-real-time) (readiness-set-write-timeout set))))
+
 (defmethod hunchentoot:process-connection ((acceptor parallel-acceptor) (socket connection-socket))
   "Serve the requests that have arrived on the connection SOCKET stands for,
 which the calling worker holds, then park it, close it or let it go.
@@ -263,6 +284,7 @@ Called each time a worker takes the connection up, not once for its life:
         (when (let-go-of-connection worker)
           (ecase outcome
             (:park (park-or-end engine set connection (worker-buffer worker) detail))
+            (:send-rest (park-until-writable engine set connection (worker-buffer worker) detail))
             (:close (close-connection set connection))
             (:let-go (remove-connection set connection))
             (:refuse (refuse-and-close set connection detail))))))))

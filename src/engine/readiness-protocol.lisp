@@ -15,6 +15,7 @@ pipelined requests."
                               :header-timeout (acceptor-header-timeout acceptor)
                               :keep-alive-timeout (acceptor-keep-alive-timeout acceptor)
                               :queue-timeout (acceptor-queue-timeout acceptor)
+                              :write-timeout (hunchentoot:acceptor-write-timeout acceptor)
                               :server-name (acceptor-server-name acceptor)
                               :refusal-logger (lambda (connection status)
                                                 (log-refused-request acceptor (connection-addresses connection)
@@ -47,7 +48,7 @@ pipelined requests."
 (defmethod engine-drain ((engine readiness-engine) deadline)
   (let ((set (engine-readiness-set engine)))
     (stop-accepting set)
-    (loop (cond ((zerop (unanswered-connection-count set)) (return t))
+    (loop (cond ((zerop (unfinished-connection-count set)) (return t))
                 ((>= (get-internal-real-time) deadline) (return nil))
                 (t (sleep 0.01))))))
 

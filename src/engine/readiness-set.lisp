@@ -35,6 +35,11 @@
   ;; The octets that arrived and are not yet answered (part of a head, or
   ;; pipelined requests), or NIL.
   (pending nil)
+  ;; What a parked connection waits for: :INPUT (a request's octets) or
+  ;; :OUTPUT (room in the socket buffer for the rest of its reply).
+  (awaiting :input)
+  ;; The OUTGOING rest of a reply the socket did not take whole, or NIL.
+  (outgoing nil)
   ;; True once the descriptor has been added to the epoll set.
   (armed-p nil)
   ;; True once a request of this connection has been answered: before, a
@@ -76,6 +81,9 @@ keeps it from run to run; each run's set counts into it."
   (accepted 0 :type word)
   ;; Parked keep-alive connections closed at the keep-alive timeout.
   (keep-alive-timeouts 0 :type word)
+  ;; Connections closed because their client took none of its reply for
+  ;; the acceptor's write timeout.
+  (write-timeouts 0 :type word)
   ;; Per status of *HEAD-REFUSALS*, the heads refused with it.
   (refused-heads (make-array (length *head-refusals*) :element-type 'word :initial-element 0)
    :type (simple-array word (*)) :read-only t)
@@ -119,6 +127,8 @@ keeps it from run to run; each run's set counts into it."
   (keep-alive-timeout 0 :type fixnum :read-only t)
   ;; Internal time units a complete request may wait for a free worker.
   (queue-timeout 0 :type fixnum :read-only t)
+  ;; Internal time units a reply may wait for its client to take any of it.
+  (write-timeout 0 :type fixnum :read-only t)
   ;; What the Retry-After header of a 503 says.
   (retry-after-seconds 0 :type fixnum :read-only t)
   ;; What the Server header of a refusal says: the acceptor's server name.
@@ -130,14 +140,17 @@ keeps it from run to run; each run's set counts into it."
   (connection-count 0 :type fixnum)
   ;; Connections parked now.
   (parked-count 0 :type word)
+  ;; Connections whose reply is left to send, parked or being sent.
+  (outgoing-count 0 :type word)
   ;; The engine's CONNECTION-COUNTERS, which this set counts into.
   (counters nil :type connection-counters :read-only t))
 
 (defun make-readiness-set (listen-socket counters
-                           &key header-timeout keep-alive-timeout queue-timeout server-name refusal-logger)
+                           &key header-timeout keep-alive-timeout queue-timeout write-timeout
+                             server-name refusal-logger)
   "A readiness set watching LISTEN-SOCKET (made non-blocking: a worker woken
 for it may find the connection already taken), counting into COUNTERS.  The
-timeouts are in seconds."
+timeouts are in seconds; a WRITE-TIMEOUT of NIL means a year."
   (let* ((epoll-fd (make-epoll-set))
          (set (%make-readiness-set :epoll-fd epoll-fd :wakeup-fd (make-wakeup-fd)
                                    :listen-fd (socket-file-descriptor listen-socket)
@@ -145,6 +158,7 @@ timeouts are in seconds."
                                    :header-timeout (seconds->internal-units header-timeout)
                                    :keep-alive-timeout (seconds->internal-units keep-alive-timeout)
                                    :queue-timeout (seconds->internal-units queue-timeout)
+                                   :write-timeout (seconds->internal-units (or write-timeout 31536000))
                                    :retry-after-seconds (ceiling queue-timeout)
                                    :server-name server-name
                                    :refusal-logger refusal-logger)))
@@ -185,11 +199,13 @@ again after arming, since STOP-ACCEPTING may have disarmed it meanwhile."
   (memory-barrier)
   (epoll-disarm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+))
 
-(defun unanswered-connection-count (set)
-  "Connections in SET's table none of whose requests has been answered yet."
+(defun unfinished-connection-count (set)
+  "Connections in SET's table none of whose requests has been answered yet,
+or whose reply is not sent whole yet."
   (count-if (lambda (connection)
               (and connection
-                   (not (connection-answered-p connection))
+                   (or (not (connection-answered-p connection))
+                       (connection-outgoing connection))
                    (not (eq (connection-state connection) :closed))))
             (readiness-set-slots set)))
 
@@ -294,7 +310,8 @@ when it is gone or another thread took it."
          connection)))
 
 (defun park-connection (set connection deadline)
-  "Give up CONNECTION until bytes arrive or DEADLINE passes (then it gets its
+  "Give up CONNECTION until what it is AWAITING happens -- bytes arrive, or
+its socket has room -- or DEADLINE passes (then it gets its
 TIMEOUT-STATUS).  True when it is parked (and may already be another
 thread's); false when the descriptor could not be armed and the caller
 still holds the connection."
@@ -307,9 +324,9 @@ still holds the connection."
     (atomic-increment (readiness-set-parked-count set))
     (or (if first-time-p
             (epoll-watch (readiness-set-epoll-fd set) (connection-fd connection)
-                         (connection-token connection) :one-shot t)
+                         (connection-token connection) :one-shot t :awaited (connection-awaiting connection))
             (epoll-rearm (readiness-set-epoll-fd set) (connection-fd connection)
-                         (connection-token connection)))
+                         (connection-token connection) :awaited (connection-awaiting connection)))
         ;; Not armed; the sweeper may have taken it at its deadline meanwhile.
         (not (take-parked-connection set connection)))))
 
@@ -327,6 +344,8 @@ may be taken by a worker before or while FUNCTION runs."
   "Close CONNECTION, which the caller holds, and forget it.  Errors mean the
 client is gone already."
   (remove-connection set connection)
+  (when (connection-outgoing connection)
+    (drop-outgoing set connection))
   (let ((stream (connection-stream connection))
         (fd-stream (connection-fd-stream connection)))
     (when (and stream (not (eq stream fd-stream)))
@@ -358,17 +377,22 @@ reply before the reset that unread input provokes."
 
 (defun end-parked-connection (set connection)
   "CONNECTION, held by the caller, has reached its deadline: answer it its
-TIMEOUT-STATUS, or close it without a word."
-  (let ((status (connection-timeout-status connection)))
-    (if status
-        (refuse-and-close set connection status)
-        (progn (atomic-increment (connection-counters-keep-alive-timeouts (readiness-set-counters set)))
-               (close-connection set connection)))))
+TIMEOUT-STATUS, or close it without a word (a kept-alive connection that
+sent nothing, a client that took none of its reply)."
+  (let ((status (connection-timeout-status connection))
+        (counters (readiness-set-counters set)))
+    (cond (status (refuse-and-close set connection status))
+          ((connection-outgoing connection)
+           (atomic-increment (connection-counters-write-timeouts counters))
+           (close-connection set connection))
+          (t (atomic-increment (connection-counters-keep-alive-timeouts counters))
+             (close-connection set connection)))))
 
 (defun close-expired-connections (set)
   "End every parked connection whose deadline has passed: 408 for a head
 that did not arrive in time, 503 for a complete request that found no free
-worker in time, a plain close for an idle keep-alive connection."
+worker in time, a plain close for an idle keep-alive connection or a reply
+its client stopped taking."
   (let ((now (get-internal-real-time)))
     (map-parked-connections
      set (lambda (connection)
@@ -388,8 +412,10 @@ worker in time, a plain close for an idle keep-alive connection."
 none runs) holds now, and what COUNTERS counted ever."
   (list* :parked-connections (if set (readiness-set-parked-count set) 0)
          :open-connections (if set (readiness-set-connection-count set) 0)
+         :unsent-replies (if set (readiness-set-outgoing-count set) 0)
          :connections-accepted (connection-counters-accepted counters)
          :keep-alive-timeouts (connection-counters-keep-alive-timeouts counters)
+         :write-timeouts (connection-counters-write-timeouts counters)
          :replies-by-class (loop for class from 1 to 5
                                  collect (cons class (aref (connection-counters-replies-by-class counters) class)))
          :request-duration-buckets (loop for bound across *duration-bucket-seconds*

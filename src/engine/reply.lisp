@@ -39,10 +39,10 @@
     (setf (aref octets (reply-head-end head)) octet)
     (incf (reply-head-end head))))
 
-(defun push-octets (octets head)
-  (declare (type octets octets) (type reply-head head))
-  (replace (room-for (length octets) head) octets :start1 (reply-head-end head))
-  (incf (reply-head-end head) (length octets)))
+(defun push-octets (octets head &key (start 0) (end (length octets)))
+  (declare (type octets octets) (type reply-head head) (type fixnum start end))
+  (replace (room-for (- end start) head) octets :start1 (reply-head-end head) :start2 start :end2 end)
+  (incf (reply-head-end head) (- end start)))
 
 (defun push-text (string head &key (start 0) (end (length string)))
   "Push the characters of STRING from START below END as Latin-1 octets, as
@@ -218,12 +218,11 @@ to rewrite for a cookie-less session."
        (null hunchentoot:*header-stream*)
        (not (and (stringp content) hunchentoot:*rewrite-for-session-urls* (hunchentoot:session request)))))
 
-(defun send-reply-head (request return-code content-length)
-  "Write RETURN-CODE's status line and the headers to the current connection
-stream, for a body of CONTENT-LENGTH octets: headers as START-OUTPUT sets
-them, the access log entry and the reading of an unread body as
-SEND-RESPONSE does.  Returns the stream, where the head may still be
-buffered."
+(defun build-reply-head (request return-code content-length)
+  "Build RETURN-CODE's status line and the headers, for a body of
+CONTENT-LENGTH octets, in the worker's REPLY-HEAD: headers as START-OUTPUT
+sets them, the access log entry and the reading of an unread body as
+SEND-RESPONSE does.  Returns the REPLY-HEAD."
   (set-connection-headers request)
   (set-server-and-date-headers)
   (let ((head (or *reply-head* (make-reply-head))))
@@ -239,18 +238,80 @@ buffered."
     (loop for (nil . cookie) in (hunchentoot:cookies-out*)
           do (push-header-line "Set-Cookie" (cookie-header-value cookie) head))
     (push-crlf head)
-    (let ((stream (current-connection-stream)))
-      (write-sequence (reply-head-octets head) stream :end (reply-head-end head))
-      stream)))
+    head))
+
+(defconstant +copy-buffer-octets+ 65536
+  "The piece in which a file is copied where it cannot be sent by sendfile.")
+
+(defun copy-file-octets (file-fd stream start end)
+  "Write the octets of FILE-FD from START below END to STREAM through a
+buffer.  True when they all could be read; false when the file ended early
+(it was truncated)."
+  (let ((buffer (make-array (min +copy-buffer-octets+ (max 1 (- end start))) :element-type '(unsigned-byte 8))))
+    (loop for position = start then (+ position count)
+          for count = (and (< position end) (read-file-octets file-fd buffer position))
+          while (and count (plusp count))
+          do (write-sequence buffer stream :end (min count (- end position)))
+          finally (return (>= position end)))))
+
+(defun write-pieces (pieces file-fd stream)
+  "Write PIECES to STREAM, file pieces copied from FILE-FD.  True when they
+all went whole."
+  (loop for piece in pieces
+        always (if (piece-octets piece)
+                   (progn (write-sequence (piece-octets piece) stream
+                                          :start (piece-start piece) :end (piece-end piece))
+                          t)
+                   (copy-file-octets file-fd stream (piece-start piece) (piece-end piece)))))
+
+(defconstant +coalesced-body-bytes+ 16384
+  "A body of at most these octets goes into the head's buffer, so that head
+and body leave in one send(2).")
+
+(defun engine-reply-connection ()
+  "The plain connection a reply may be left to the engine on: the
+current request's, when the handler neither detached it nor wrapped its
+stream.  NIL otherwise."
+  (let ((connection *reply-connection*))
+    (and connection
+         (close-connection-stream-p)
+         (eq (current-connection-stream) (connection-fd-stream connection))
+         connection)))
+
+(defun send-reply-pieces (request return-code content-length pieces &optional file-fd)
+  "Send RETURN-CODE's head (see BUILD-REPLY-HEAD) for a body of
+CONTENT-LENGTH octets, then PIECES, the body (file pieces read from FILE-FD,
+which stays the caller's).  On a plain connection they are sent without
+waiting and what the socket does not take is left to the engine, which
+sends it when the client reads; elsewhere they are written to the current
+connection stream.  True when the body went whole or will; false when the
+client has gone or the file ended early."
+  (let ((head (build-reply-head request return-code content-length))
+        (connection (engine-reply-connection)))
+    (if connection
+        (let ((stream (current-connection-stream)))
+          (finish-output stream)
+          (let ((only (and pieces (null (rest pieces)) (first pieces))))
+            (when (and only (piece-octets only)
+                       (<= (- (piece-end only) (piece-start only)) +coalesced-body-bytes+))
+              (push-octets (piece-octets only) head :start (piece-start only) :end (piece-end only))
+              (setf pieces '())))
+          (send-reply-pieces-without-waiting
+           (current-readiness-set) connection
+           (cons (make-octets-piece (reply-head-octets head) 0 (reply-head-end head)) pieces)
+           file-fd (reply-head-octets head)))
+        (let ((stream (current-connection-stream)))
+          (write-sequence (reply-head-octets head) stream :end (reply-head-end head))
+          (write-pieces pieces file-fd stream)))))
 
 (defun send-octets-reply (request return-code content)
-  "Send RETURN-CODE with the body CONTENT, a string or octets, to the
-current connection stream, head (SEND-REPLY-HEAD) and body as octets.  No
-body for HEAD."
-  (let* ((octets (body-octets content))
-         (stream (send-reply-head request return-code (length octets))))
-    (unless (eq (hunchentoot:request-method request) :head)
-      (write-sequence octets stream))))
+  "Send RETURN-CODE with the body CONTENT, a string or octets, head and
+body as octets (SEND-REPLY-PIECES).  No body for HEAD."
+  (let ((octets (coerce (body-octets content) 'octets)))
+    (unless (send-reply-pieces request return-code (length octets)
+                               (unless (eq (hunchentoot:request-method request) :head)
+                                 (list (make-octets-piece octets 0 (length octets)))))
+      (setf (finish-processing-connection-p) t))))
 
 (defun send-reply (request return-code content)
   "Send the reply: as octets when OCTETS-REPLY-P, else by Hunchentoot's

@@ -57,11 +57,25 @@ CONNECTION ready, so that the first worker free takes it."
                (t (wait-for-rest-of-head engine set connection))))
         (t (refuse-and-close set connection status))))))
 
+(defun send-rest-of-reply (engine set connection)
+  "CONNECTION's socket has room for more of its reply: send it, without
+waiting, as a worker would, then park it again for the rest, or look at
+what the client has sent since."
+  (ecase (send-outgoing set connection)
+    (:would-block
+     (park-until engine set connection (+ (get-internal-real-time) (readiness-set-write-timeout set))))
+    (:close (close-connection set connection))
+    (:keep-alive
+     (setf (connection-deadline connection) (+ (get-internal-real-time) (readiness-set-keep-alive-timeout set)))
+     (look-at-arrived-head engine set connection))))
+
 (defun note-ready-connection (engine set connection)
   "CONNECTION, taken by the caller, was reported ready while no worker is
-free.  A plain one is looked at; a TLS one cannot be without reading it, so
-that it has sent anything counts as a request waiting for a worker."
-  (cond ((eql (connection-timeout-status connection) 503)
+free.  The rest of a reply is sent; for a request, a plain connection is
+looked at, and a TLS one cannot be without reading it, so that it has sent
+anything counts as a request waiting for a worker."
+  (cond ((connection-outgoing connection) (send-rest-of-reply engine set connection))
+        ((eql (connection-timeout-status connection) 503)
          (park-until engine set connection (connection-deadline connection)))
         ((plain-connection-p connection) (look-at-arrived-head engine set connection))
         (t (queue-for-worker engine set connection))))

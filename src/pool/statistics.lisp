@@ -16,10 +16,14 @@ reply), and the totals since the taskmaster was made :REQUESTS-SERVED,
 (times the pool was asked to grow while the processors had no idle time,
 and did not).  Then the engine's keys,
 once the taskmaster has been started; the readiness engine's are
-:PARKED-CONNECTIONS (connections waiting for bytes without a thread),
-:OPEN-CONNECTIONS (parked or being served), and the totals
-:CONNECTIONS-ACCEPTED, :KEEP-ALIVE-TIMEOUTS (kept-alive connections closed
-after KEEP-ALIVE-TIMEOUT idle seconds), and one count per refused request
+:PARKED-CONNECTIONS (connections waiting without a thread, for bytes or
+for room to write), :OPEN-CONNECTIONS (parked or being served),
+:UNSENT-REPLIES (connections whose reply the socket has not taken whole,
+waiting for their client to read), and the totals :CONNECTIONS-ACCEPTED,
+:KEEP-ALIVE-TIMEOUTS (kept-alive connections closed after
+KEEP-ALIVE-TIMEOUT idle seconds), :WRITE-TIMEOUTS (connections closed
+because their client took none of its reply for the acceptor's write
+timeout), and one count per refused request
 head: :BAD-REQUEST-REPLIES (400: malformed, ambiguous framing, missing or invalid Host),
 :HEADER-TIMEOUT-REPLIES (408), :LENGTH-REQUIRED-REPLIES (411, a chunked
 body to an acceptor without input chunking), :URI-TOO-LONG-REPLIES (414),

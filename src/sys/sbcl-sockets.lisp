@@ -17,6 +17,7 @@
 (defconstant +epoll-ctl-add+ 1)
 (defconstant +epoll-ctl-mod+ 3)
 (defconstant +epollin+ #x001)
+(defconstant +epollout+ #x004)
 (defconstant +epollrdhup+ #x2000)
 (defconstant +epolloneshot+ (ash 1 30))
 (defconstant +epoll-event-bytes+ #+x86-64 12 #-x86-64 16
@@ -33,6 +34,8 @@ __EPOLL_PACKED), naturally aligned elsewhere.")
 (defconstant +msg-nosignal+ #x4000)
 (defconstant +efd-cloexec+ #o2000000)
 (defconstant +sock-cloexec+ #o2000000)
+(defconstant +sock-nonblock+ #o4000)
+(defconstant +msg-more+ #x8000)
 (defconstant +shut-wr+ 1)
 (defconstant +shut-rdwr+ 2)
 (defconstant +sol-socket+ 1)
@@ -71,16 +74,21 @@ which, unlike USOCKET:WAIT-FOR-INPUT's select(2), takes descriptors past 1024."
                                                            sb-alien:int sb-sys:system-area-pointer))
               epoll-fd operation fd sap)))))
 
-(defun epoll-watch (epoll-fd fd token &key one-shot)
-  "Add FD to the set: readable (or hung up) reports TOKEN.  ONE-SHOT disarms
-FD once it has been reported to one waiter, until EPOLL-REARM."
-  (epoll-control epoll-fd +epoll-ctl-add+ fd token
-                 (logior +epollin+ +epollrdhup+ (if one-shot +epolloneshot+ 0))))
+(defun epoll-events (awaited one-shot)
+  (logior (ecase awaited
+            (:input (logior +epollin+ +epollrdhup+))
+            (:output +epollout+))
+          (if one-shot +epolloneshot+ 0)))
 
-(defun epoll-rearm (epoll-fd fd token)
-  "Arm a one-shot FD again."
-  (epoll-control epoll-fd +epoll-ctl-mod+ fd token
-                 (logior +epollin+ +epollrdhup+ +epolloneshot+)))
+(defun epoll-watch (epoll-fd fd token &key one-shot (awaited :input))
+  "Add FD to the set: readable (or hung up) reports TOKEN, or writable when
+AWAITED is :OUTPUT.  ONE-SHOT disarms FD once it has been reported to one
+waiter, until EPOLL-REARM."
+  (epoll-control epoll-fd +epoll-ctl-add+ fd token (epoll-events awaited one-shot)))
+
+(defun epoll-rearm (epoll-fd fd token &key (awaited :input))
+  "Arm a one-shot FD again, for input or for output as AWAITED says."
+  (epoll-control epoll-fd +epoll-ctl-mod+ fd token (epoll-events awaited t)))
 
 (defun epoll-disarm (epoll-fd fd token)
   "Keep FD in the set but report nothing for it until it is armed again."
@@ -226,6 +234,25 @@ does not take is dropped.  For short replies on a connection about to close."
                                              sb-alien:unsigned-long sb-alien:int))
      fd (sb-sys:vector-sap octets) (length octets) (logior +msg-dontwait+ +msg-nosignal+))))
 
+(defun send-octets (fd octets start end &key more)
+  "send(2) the OCTETS from START below END to the non-blocking socket FD,
+without SIGPIPE; with MORE, as MSG_MORE: more follows at once, so that a
+partial segment is held back for it.  The count sent, :WOULD-BLOCK when
+the socket buffer is full, or :ERROR (the client has gone)."
+  (declare (type (simple-array (unsigned-byte 8) (*)) octets) (type fixnum start end))
+  (sb-sys:with-pinned-objects (octets)
+    (loop
+      (let ((count (sb-alien:alien-funcall
+                    (sb-alien:extern-alien "send" (function sb-alien:long sb-alien:int sb-sys:system-area-pointer
+                                                            sb-alien:unsigned-long sb-alien:int))
+                    fd (sb-sys:sap+ (sb-sys:vector-sap octets) start) (- end start)
+                    (logior +msg-dontwait+ +msg-nosignal+ (if more +msg-more+ 0)))))
+        (cond ((>= count 0) (return count))
+              (t (let ((errno (sb-alien:get-errno)))
+                   (cond ((= errno +eintr+))
+                         ((= errno +eagain+) (return :would-block))
+                         (t (return :error))))))))))
+
 (defun fd-writable-p (fd)
   "True when FD's socket has room for more output now."
   (sb-unix:unix-simple-poll fd :output 0))
@@ -247,13 +274,14 @@ does not take is dropped.  For short replies on a connection about to close."
 (defun accept-connection-fd (listen-fd)
   "accept4(2) on the non-blocking LISTEN-FD: the new connection's descriptor,
 or NIL when none is pending or it was aborted before it was taken.  Other
-failures (EMFILE, ...) signal an error.  The connection is blocking: the
-readiness set reads it with MSG_DONTWAIT."
+failures (EMFILE, ...) signal an error.  The connection is non-blocking,
+so that sendfile(2) gives up when the socket is full; SBCL's fd-streams
+and OpenSSL's reads wait on it by poll(2) instead, within their timeouts."
   (loop
     (let ((fd (sb-alien:alien-funcall
                (sb-alien:extern-alien "accept4" (function sb-alien:int sb-alien:int sb-alien:unsigned-long
                                                           sb-alien:unsigned-long sb-alien:int))
-               listen-fd 0 0 +sock-cloexec+)))
+               listen-fd 0 0 (logior +sock-cloexec+ +sock-nonblock+))))
       (if (>= fd 0)
           (return fd)
           (let ((errno (sb-alien:get-errno)))
@@ -338,9 +366,6 @@ its holder's to close, so it cannot be reused meanwhile."
 
 ;;; Files sent with sendfile(2).
 
-(defconstant +o-nonblock+ #o4000)
-(defconstant +f-getfl+ 3)
-(defconstant +f-setfl+ 4)
 (defconstant +s-ifmt+ #o170000)
 (defconstant +s-ifreg+ #o100000)
 (defconstant +s-ifdir+ #o040000)
@@ -365,53 +390,32 @@ is what was looked at, whatever happens to the name meanwhile."
     (declare (ignore device inode))
     (and ok (= (logand mode +s-ifmt+) +s-ifdir+))))
 
-(defconstant +ipproto-tcp+ 6)
-(defconstant +tcp-cork+ 3)
-
-(defun (setf tcp-corked-p) (corked-p fd)
-  "Hold back partial segments on the TCP socket FD while CORKED-P, so that a
-head written before a sendfile(2) goes out with the file's first octets
-rather than alone (where the client's delayed ACK would stall the rest);
-uncorking sends what is held.  Errors are ignored: FD may not be TCP."
-  (set-integer-socket-option fd +ipproto-tcp+ +tcp-cork+ (if corked-p 1 0))
-  corked-p)
-
 (defun stream-file-descriptor (stream)
   "The descriptor STREAM writes to when it is SBCL's plain fd-stream, else NIL."
   (and (typep stream 'sb-sys:fd-stream)
        (sb-sys:fd-stream-fd stream)))
 
-(defun send-file-octets (socket-fd file-fd start end timeout)
-  "Send the octets of FILE-FD from START below END to SOCKET-FD with
-sendfile(2), in the kernel, waiting at most TIMEOUT seconds (NIL: no
-limit) each time the socket has no room.  True when they all went; false
-when the client stopped taking them in time, left, or the file ended
-early (it was truncated)."
-  (flet ((fcntl (command value)
-           (sb-alien:alien-funcall
-            (sb-alien:extern-alien "fcntl" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int))
-            socket-fd command value)))
-    (let ((flags (fcntl +f-getfl+ 0)))
-      (fcntl +f-setfl+ (logior flags +o-nonblock+))
-      (unwind-protect
-           (sb-alien:with-alien ((offset (sb-alien:signed 64)))
-             (setf offset start)
-             (loop
-               (when (>= offset end) (return t))
-               (let ((sent (sb-alien:alien-funcall
-                            (sb-alien:extern-alien "sendfile" (function sb-alien:long sb-alien:int sb-alien:int
-                                                                        (* (sb-alien:signed 64))
-                                                                        sb-alien:unsigned-long))
-                            socket-fd file-fd (sb-alien:addr offset) (min (- end offset) (ash 1 30)))))
-                 (cond ((plusp sent))
-                       ((zerop sent) (return nil))
-                       ((= (sb-alien:get-errno) +eintr+))
-                       ((= (sb-alien:get-errno) +eagain+)
-                        (unless (sb-unix:unix-simple-poll socket-fd :output
-                                                          (if timeout (max 1 (round (* 1000 timeout))) -1))
-                          (return nil)))
-                       (t (return nil))))))
-        (fcntl +f-setfl+ flags)))))
+(defun send-file-octets (socket-fd file-fd start end)
+  "Send the octets of FILE-FD from START below END to the non-blocking
+socket SOCKET-FD with sendfile(2), in the kernel, as many as the socket
+takes now: their count, 0 when the file ends before START (it was
+truncated), :WOULD-BLOCK when the socket buffer is full, or :ERROR."
+  (sb-alien:with-alien ((offset (sb-alien:signed 64)))
+    (setf offset start)
+    (loop
+      (let ((sent (sb-alien:alien-funcall
+                   (sb-alien:extern-alien "sendfile" (function sb-alien:long sb-alien:int sb-alien:int
+                                                               (* (sb-alien:signed 64)) sb-alien:unsigned-long))
+                   socket-fd file-fd (sb-alien:addr offset) (min (- end start) (ash 1 30)))))
+        (cond ((>= sent 0) (return sent))
+              (t (let ((errno (sb-alien:get-errno)))
+                   (cond ((= errno +eintr+))
+                         ((= errno +eagain+) (return :would-block))
+                         (t (return :error))))))))))
+
+(defun duplicate-fd (fd)
+  "A new descriptor on what FD is open on (dup(2)), or NIL."
+  (sb-unix:unix-dup fd))
 
 (defun read-file-octets (fd buffer position)
   "Read from FD at POSITION into BUFFER (octets) with pread(2), without
