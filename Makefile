@@ -3,6 +3,8 @@
 # make bench   the benchmark matrix, 3 rounds of 5 s a cell; make bench-quick: 1 round of 2 s, 100 connections
 # make bench-connections   10,000 kept-alive connections for 60 s
 # make bench-slowloris     1,000 slowloris connections for 60 s
+# make bench-slow-readers  1,000 clients asking 1 MiB and reading 1 KiB a second for 60 s
+# make bench-slow-bodies   1,000 clients POSTing 100 KiB at 1 KiB a second for 60 s
 # make bench-scale         1, 2 and one-per-core processes on one port, and behind nginx
 # Each target installs the Debian packages it needs first (make deps).
 
@@ -13,7 +15,7 @@ LIBRARY_PACKAGES = sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-flexi-s
 TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd
 BENCH_PACKAGES = wrk nginx-light cl-aserve gnuplot-nox procps curl
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-connections bench-slowloris bench-scale
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-scale
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -47,6 +49,12 @@ bench-connections: bench-deps
 
 bench-slowloris: bench-deps
 	bench/run slowloris
+
+bench-slow-readers: bench-deps
+	bench/run slow-readers
+
+bench-slow-bodies: bench-deps
+	bench/run slow-bodies
 
 bench-scale: bench-deps
 	bench/run scale

@@ -31,6 +31,7 @@ bytes, with acceptors that use it by default."
                                               (:file "readiness-set")
                                               (:file "outgoing")
                                               (:file "arrived-octets")
+                                              (:file "request-body")
                                               (:file "request-object")
                                               (:file "request-cycle")
                                               (:file "reply")
@@ -81,6 +82,7 @@ the wrk matrix that measures them, and the many-connection loads."
   :components ((:file "server")
                (:file "driver")
                (:file "connections")
+               (:file "slow-clients")
                (:file "profile")
                (:file "scale")))
 

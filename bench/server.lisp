@@ -2,12 +2,15 @@
 ;;;; with SERVE; every one answers GET /yo with 200 text/plain "Hey!", the
 ;;;; benchmark's files under /static/ as it serves files by itself, and
 ;;;; GET /bench-stats with counters the driver reads around a measurement;
-;;;; ours also answer GET /pool-stats with TASKMASTER-STATISTICS.
+;;;; Hunchentoot's and ours answer GET /megabytes?n=N with N MiB of octets,
+;;;; POST /body-length with the length of the body they read, and ours GET
+;;;; /pool-stats with TASKMASTER-STATISTICS.
 
 (defpackage #:hunchentoot-recycling-taskmaster-bench
   (:use #:cl)
   (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster))
-  (:export #:serve #:run-benchmarks #:run-connection-load #:run-profile #:run-scale))
+  (:export #:serve #:run-benchmarks #:run-connection-load #:run-slow-readers-load #:run-slow-bodies-load
+           #:run-profile #:run-scale))
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
@@ -48,6 +51,28 @@ last reset, on one line."
 (ht:define-easy-handler (yo :uri "/yo") ()
   (setf (ht:content-type*) "text/plain")
   (hey))
+
+(defvar *megabyte-bodies* (make-array 65 :initial-element nil)
+  "The body of GET /megabytes?n=N for each N made so far: one vector shared
+by every reply, as a handler returning a cached page shares it.")
+
+(defvar *megabyte-bodies-lock* (bt:make-lock "megabyte bodies"))
+
+(defun megabyte-body (count)
+  (bt:with-lock-held (*megabyte-bodies-lock*)
+    (or (aref *megabyte-bodies* count)
+        (setf (aref *megabyte-bodies* count)
+              (let ((octets (make-array (* count 1024 1024) :element-type '(unsigned-byte 8))))
+                (dotimes (index (length octets) octets)
+                  (setf (aref octets index) (mod index 251))))))))
+
+(ht:define-easy-handler (megabytes :uri "/megabytes") ((n :parameter-type 'integer :init-form 1))
+  (setf (ht:content-type*) "application/octet-stream")
+  (megabyte-body (max 1 (min 64 n))))
+
+(ht:define-easy-handler (body-length :uri "/body-length") ()
+  (setf (ht:content-type*) "text/plain")
+  (princ-to-string (length (ht:raw-post-data :force-binary t))))
 
 (ht:define-easy-handler (bench-stats :uri "/bench-stats") (reset)
   (setf (ht:content-type*) "text/plain")

@@ -27,6 +27,14 @@ port with other sockets that do."))
   (:documentation "The inherited listening descriptor ACCEPTOR serves, or
 NIL when it makes its own listening socket."))
 
+(defgeneric acceptor-body-buffer-bytes (acceptor)
+  (:documentation "The octets of a request body ACCEPTOR keeps in memory
+while the body arrives; the rest goes to a temporary file."))
+
+(defgeneric acceptor-max-body-bytes (acceptor)
+  (:documentation "The largest request body ACCEPTOR takes, or NIL for no
+limit; a larger one gets 413."))
+
 (defgeneric acceptor-max-header-bytes (acceptor)
   (:documentation "The largest header block ACCEPTOR answers; a larger one
 gets 431."))
@@ -74,6 +82,19 @@ instead of a socket of the acceptor's own; :ADDRESS and :PORT are then
 ignored, and the port is read from the socket.  STOP and ABANDON-ACCEPTOR
 never close it: it stays the supervisor's, listening, for the next START
 or the next process.  It is left non-blocking.")
+   (body-buffer-bytes
+    :initarg :body-buffer-bytes :reader acceptor-body-buffer-bytes
+    :documentation "The octets of a Content-Length request body kept in
+memory while the engine reads it, before it is dispatched; a larger body
+goes on in a file in HUNCHENTOOT:*TMP-DIRECTORY*, removed after the
+request.")
+   (max-body-bytes
+    :initarg :max-body-bytes :reader acceptor-max-body-bytes
+    :documentation "The largest request body taken, in octets, or NIL for
+no limit.  A Content-Length over it is answered 413 before any of the body
+is read (before 100 Continue, too); a chunked body is answered 413 once its
+chunks add up to more, unless the handler has begun its reply.  The
+connection is closed after the 413.")
    (max-header-bytes
     :initarg :max-header-bytes :reader acceptor-max-header-bytes
     :documentation "The largest header block (the lines after the request
@@ -87,6 +108,8 @@ more than 100 header lines 431."))
    :queue-timeout 10
    :reuse-port nil
    :listen-fd nil
+   :body-buffer-bytes 65536
+   :max-body-bytes (* 64 1024 1024)
    :max-header-bytes 16384
    :listen-backlog 511)
   (:documentation "HUNCHENTOOT:ACCEPTOR served by a RECYCLING-TASKMASTER:
@@ -124,6 +147,16 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
       (error 'invalid-acceptor-configuration
              :initarg :listen-fd :value fd
              :reason "must be NIL or a descriptor number")))
+  (let ((bytes (acceptor-body-buffer-bytes acceptor)))
+    (unless (and (integerp bytes) (<= 0 bytes))
+      (error 'invalid-acceptor-configuration
+             :initarg :body-buffer-bytes :value bytes
+             :reason "must be a non-negative integer")))
+  (let ((bytes (acceptor-max-body-bytes acceptor)))
+    (unless (or (null bytes) (and (integerp bytes) (plusp bytes)))
+      (error 'invalid-acceptor-configuration
+             :initarg :max-body-bytes :value bytes
+             :reason "must be NIL or a positive integer")))
   (let ((bytes (acceptor-max-header-bytes acceptor)))
     (unless (and (integerp bytes) (<= 1024 bytes (* 1024 1024)))
       (error 'invalid-acceptor-configuration

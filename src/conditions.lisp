@@ -79,6 +79,17 @@ restart named ABANDON-ACCEPTOR that calls that function and then returns from
 the HUNCHENTOOT:START or HUNCHENTOOT:STOP that found the fault, leaving the
 acceptor stopped."))
 
+(define-condition request-body-too-large (chunga:chunga-error)
+  ((limit :initarg :limit :reader body-size-limit
+          :documentation "The acceptor's MAX-BODY-BYTES."))
+  (:report (lambda (condition stream)
+             (format stream "The chunked request body is longer than ~D octets."
+                     (body-size-limit condition))))
+  (:documentation "Signalled while a request body sent with Transfer-Encoding:
+chunked is read, when its chunks add up to more than the acceptor's
+MAX-BODY-BYTES.  A subtype of CHUNGA:CHUNGA-ERROR and so of STREAM-ERROR.
+Unhandled, it has the client answered 413 and the connection closed."))
+
 (define-condition chunked-body-malformed (chunga:chunga-error)
   ((reason :initarg :reason :reader malformed-body-reason
            :documentation "What is wrong with the body, as a phrase."))
@@ -91,3 +102,17 @@ line without a size, a bare LF, chunk data not followed by CRLF) or a limit
 (a chunk size of more than 15 hexadecimal digits, a chunk-size line over
 4 KiB, a trailer section over 16 KiB).  A subtype of CHUNGA:CHUNGA-ERROR and
 so of STREAM-ERROR.  The connection is closed after the reply."))
+
+(define-condition request-body-not-stored (error)
+  ((path :initarg :path :reader body-file-path
+         :documentation "The temporary file the body was to go on in.")
+   (cause :initarg :cause :reader body-file-error
+          :documentation "The FILE-ERROR or STREAM-ERROR that writing it signalled."))
+  (:report (lambda (condition stream)
+             (format stream "The request body could not be written to ~A: ~A"
+                     (body-file-path condition) (body-file-error condition))))
+  (:documentation "Signalled by the engine when a request body that outgrew
+the acceptor's BODY-BUFFER-BYTES cannot be written to its temporary file in
+HUNCHENTOOT:*TMP-DIRECTORY* (which cannot be made, is not writable, or is
+full).  The engine handles it: the message is logged, the client answered
+500 and the connection closed; the handler never runs."))

@@ -13,6 +13,7 @@
     (:open-connections "open_connections" gauge "Connections parked or being served.")
     (:unsent-replies "unsent_replies" gauge
      "Connections whose reply the socket has not taken whole, waiting for the client to read.")
+    (:arriving-bodies "arriving_bodies" gauge "Requests whose body the engine is reading, before dispatch.")
     (:requests-served "requests_served_total" counter "Requests answered through a handler.")
     (:threads-created "threads_created_total" counter "Worker threads made.")
     (:threads-retired "threads_retired_total" counter "Worker threads ended as surplus.")
@@ -22,7 +23,9 @@
     (:keep-alive-timeouts "keep_alive_timeouts_total" counter
      "Kept-alive connections closed at the keep-alive timeout.")
     (:write-timeouts "write_timeouts_total" counter
-     "Connections closed because their client took none of its reply for the write timeout."))
+     "Connections closed because their client took none of its reply for the write timeout.")
+    (:body-timeout-replies "body_timeout_replies_total" counter
+     "Requests answered 408 because their body stalled for the read timeout."))
   "Each scalar key of TASKMASTER-STATISTICS: its metric name (after the
 prefix), its type and its help text.")
 

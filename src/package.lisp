@@ -19,6 +19,8 @@
    #:acceptor-listen-fd
    #:systemd-listen-fd
    #:acceptor-max-header-bytes
+   #:acceptor-max-body-bytes
+   #:acceptor-body-buffer-bytes
 
    ;; The taskmaster and its configuration.
    #:recycling-taskmaster
@@ -43,4 +45,6 @@
    #:invalid-acceptor-configuration
    #:invalid-static-folder
    #:acceptor-not-parallel-error
-   #:chunked-body-malformed))
+   #:chunked-body-malformed
+   #:request-body-too-large
+   #:request-body-not-stored))

@@ -49,7 +49,8 @@
       (is (eql 200 (read-response socket)) "the pipelined request after the body is answered"))))
 
 (test bodies.claimed-chunk-size-allocates-nothing
-  (with-readiness-server (server)
+  ;; No body limit: the default one would refuse the claim at once.
+  (with-readiness-server (server :max-body-bytes nil)
     (with-connection (socket server)
       ;; 2^59 octets claimed: Chunga would allocate a buffer that large.
       (send-text socket (chunked-post "/test/body" (crlf-lines "7FFFFFFFFFFFFFF" "abc")))
@@ -136,3 +137,234 @@
       (send-text socket (get-request "/test/params?name=%E9" "Content-Type: text/plain; charset=iso-8859-1"))
       (is (equal "name=é" (nth-value 1 (read-response socket)))
           "a charset Hunchentoot knows decodes the query string as before"))))
+
+;;; The body limit.
+
+(defun post-head (path length &rest headers)
+  "A POST head to PATH declaring LENGTH octets of body, and no body."
+  (apply #'crlf-lines (format nil "POST ~A HTTP/1.1" path) "Host: localhost"
+         (format nil "Content-Length: ~D" length) (append headers '(""))))
+
+(defun post-with-length (length &rest headers)
+  "A POST head to /test/body declaring LENGTH octets of body, and no body."
+  (apply #'post-head "/test/body" length headers))
+
+(test bodies.over-the-limit-is-413-and-closed
+  (with-readiness-server (server :max-body-bytes 1000)
+    (multiple-value-bind (status closed-p) (refused-with server (post-with-length 1001))
+      (is (eql 413 status) "a Content-Length over the limit: ~S" status)
+      (is-true closed-p))
+    (with-connection (socket server)
+      (send-text socket (concatenate 'string (post-with-length 1000) (make-string 1000 :initial-element #\a)))
+      (is (equal "1000 97000" (nth-value 1 (read-response socket))) "a body of the limit is taken"))
+    (multiple-value-bind (status closed-p)
+        (refused-with server (chunked-post "/test/body" (crlf-lines "1F4" (make-string 500 :initial-element #\a)
+                                                                     "1F5" (make-string 501 :initial-element #\a)
+                                                                     "0" "")))
+      (is (eql 413 status) "chunks adding up to more than the limit: ~S" status)
+      (is-true closed-p))
+    (with-connection (socket server)
+      (send-text socket (chunked-post "/test/body" (crlf-lines "3E8" (make-string 1000 :initial-element #\a) "0" "")))
+      (is (equal "1000 97000" (nth-value 1 (read-response socket))) "chunks adding up to the limit are taken"))
+    (is (= 2 (stats server :content-too-large-replies)))))
+
+(test bodies.over-the-limit-gets-no-100-continue
+  (with-readiness-server (server :max-body-bytes 1000)
+    (with-connection (socket server)
+      (send-text socket (post-with-length 5000 "Expect: 100-continue"))
+      (multiple-value-bind (status body head) (read-response socket)
+        (declare (ignore body))
+        (is (eql 413 status) "the final status at once, no 100: ~S" head)))
+    (with-connection (socket server)
+      (send-text socket (post-with-length 3 "Expect: 100-continue"))
+      (is (eql 100 (read-response socket)) "a body within the limit gets its 100 Continue")
+      (send-text socket "abc")
+      (is (equal "3 294" (nth-value 1 (read-response socket)))))))
+
+(test bodies.a-gigabyte-declared-costs-nothing
+  ;; At the default limit (64 MiB) a head declaring 1 GB is refused before
+  ;; anything is allocated for it.
+  (with-readiness-server (server)
+    (let ((consed-before (sb-ext:get-bytes-consed)))
+      (multiple-value-bind (status closed-p) (refused-with server (post-with-length (expt 10 9)))
+        (is (eql 413 status))
+        (is-true closed-p))
+      (is (< (- (sb-ext:get-bytes-consed) consed-before) (* 10 1024 1024))
+          "~D octets consed for one refused head" (- (sb-ext:get-bytes-consed) consed-before)))))
+;;; Bodies the engine reads before dispatch.
+
+(ht:define-easy-handler (test-body-stream :uri "/test/body-stream") ()
+  (setf (ht:content-type*) "text/plain")
+  (let ((stream (ht:raw-post-data :want-stream t))
+        (count 0)
+        (sum 0))
+    (loop for octet = (read-byte stream nil)
+          while octet
+          do (incf count)
+             (incf sum octet))
+    (format nil "~D ~D" count sum)))
+
+(defun octets-text (count character)
+  (make-string count :initial-element character))
+
+(defun send-body-head (server path length first-octets &rest headers)
+  "A connection to SERVER on which a POST head to PATH declaring LENGTH
+octets has been sent, with FIRST-OCTETS of its body."
+  (let ((socket (connect server)))
+    (send-text socket (concatenate 'string (apply #'post-head path length headers) first-octets))
+    socket))
+
+(defun body-files (directory)
+  (directory (merge-pathnames "hrt-body-*" directory)))
+
+(defmacro with-temporary-body-directory ((var) &body body)
+  "Run BODY with HUNCHENTOOT:*TMP-DIRECTORY*, which the workers read, set to
+a new empty directory VAR; remove it afterwards."
+  (let ((before (gensym "BEFORE")))
+    `(let ((,var (ensure-directories-exist
+                  (merge-pathnames (format nil "hrt-test-bodies-~A/" (unique-prefix))
+                                   (uiop:temporary-directory))))
+           (,before ht:*tmp-directory*))
+       (setf ht:*tmp-directory* ,var)
+       (unwind-protect (progn ,@body)
+         (setf ht:*tmp-directory* ,before)
+         (uiop:delete-directory-tree ,var :validate t :if-does-not-exist :ignore)))))
+
+(test bodies.arriving-bodies-hold-no-worker
+  (with-thread-leak-check ()
+    (with-server (server (pooled-server :standby-thread-count 1 :max-thread-count 2))
+      (let ((sockets (loop repeat 6 collect (send-body-head server "/test/body" 3000 (octets-text 1000 #\a)))))
+        (unwind-protect
+             (progn
+               (is (wait-until (lambda () (= 6 (stats server :arriving-bodies))))
+                   "six bodies arrive, read by the engine: ~D" (stats server :arriving-bodies))
+               (is (zerop (stats server :in-request-threads)) "none dispatched before its body is whole")
+               (is (eql 200 (http-get server "/test/yo"))
+                   "another client is served while six send their bodies, with two workers at most")
+               (is (<= (stats server :threads) 2))
+               (dolist (socket sockets)
+                 (send-text socket (octets-text 2000 #\b)))
+               (dolist (socket sockets)
+                 (is (equal "3000 293000" (nth-value 1 (read-response socket)))
+                     "each handler reads its whole body"))
+               (is (zerop (stats server :arriving-bodies))))
+          (mapc #'usocket:socket-close sockets))))))
+
+(test bodies.a-declared-gigabyte-that-never-comes-is-408-at-the-read-timeout
+  ;; No body limit, so that the head is not refused at once.
+  (uiop:with-temporary-file (:pathname access-log)
+    (uiop:with-temporary-file (:pathname message-log)
+      (with-readiness-server (server :max-body-bytes nil :read-timeout 1 :write-timeout 1
+                                     :access-log-destination access-log :message-log-destination message-log)
+        (with-connection (socket server)
+          (let ((consed-before (sb-ext:get-bytes-consed))
+                (sent (get-internal-real-time)))
+            (send-text socket (post-with-length (expt 10 9)))
+            (is (wait-until (lambda () (= 1 (stats server :arriving-bodies)))))
+            (is (zerop (stats server :in-request-threads)) "no worker waits for the body")
+            (multiple-value-bind (status body) (read-response socket)
+              (let ((seconds (/ (- (get-internal-real-time) sent) internal-time-units-per-second)))
+                (is (eql 408 status) "a stalled body is answered 408: ~S" status)
+                (is (search "body did not arrive" body) "its page says why: ~S" body)
+                (is (<= 0.9 seconds 5) "at the read timeout (1 s), not ~,1F s" seconds)))
+            (is-true (closed-by-server-p socket))
+            (is (< (- (sb-ext:get-bytes-consed) consed-before) (* 10 1024 1024))
+                "~D octets consed for a gigabyte declared" (- (sb-ext:get-bytes-consed) consed-before))
+            (is (= 1 (stats server :body-timeout-replies)))
+            (is (zerop (stats server :arriving-bodies)))))
+        (ht:stop server)
+        (let ((logged (+ (with-open-file (in access-log) (file-length in))
+                         (with-open-file (in message-log) (file-length in)))))
+          (is (< 0 logged 500) "a log line of a few hundred octets, not ~D" logged))))))
+
+(test bodies.a-body-beyond-the-buffer-goes-to-a-file-removed-afterwards
+  (with-temporary-body-directory (directory)
+    (with-readiness-server (server :body-buffer-bytes 1000)
+      (flet ((arrive-in-three-parts (path length first second &rest headers)
+               ;; The third part is the caller's to send.
+               (is (wait-until (lambda () (and (zerop (stats server :arriving-bodies))
+                                               (null (body-files directory)))))
+                   "the previous request's body file is removed")
+               (let ((socket (apply #'send-body-head server path length first headers)))
+                 (is (wait-until (lambda () (= 1 (stats server :arriving-bodies)))))
+                 (is (null (body-files directory)) "500 octets stay in memory: ~S" (body-files directory))
+                 (send-text socket second)
+                 (is (wait-until (lambda () (= 1 (length (body-files directory)))))
+                     "2,500 octets go on in a file")
+                 socket)))
+        (let ((socket (arrive-in-three-parts "/test/body" 5000 (octets-text 500 #\a) (octets-text 2000 #\b))))
+          (unwind-protect
+               (progn
+                 (send-text socket (octets-text 2500 #\c))
+                 (is (equal "5000 492000" (nth-value 1 (read-response socket))) "RAW-POST-DATA reads it whole")
+                 (is (wait-until (lambda () (null (body-files directory)))) "the file is removed after the request")
+                 (send-text socket (get-request "/test/yo"))
+                 (is (eql 200 (read-response socket)) "and the connection is kept alive"))
+            (usocket:socket-close socket)))
+        (let ((socket (arrive-in-three-parts "/test/body-stream" 5000 (octets-text 500 #\a) (octets-text 2000 #\b))))
+          (unwind-protect
+               (progn
+                 (send-text socket (octets-text 2500 #\c))
+                 (is (equal "5000 492000" (nth-value 1 (read-response socket)))
+                     "so does the stream of (RAW-POST-DATA :WANT-STREAM T)"))
+            (usocket:socket-close socket)))
+        (let* ((preamble (crlf-lines "--XyZ" "Content-Disposition: form-data; name=\"note\"" "" "hello"
+                                     "--XyZ"
+                                     "Content-Disposition: form-data; name=\"file\"; filename=\"a.bin\""
+                                     "Content-Type: application/octet-stream" ""))
+               (ending (crlf-lines "" "--XyZ--"))
+               (socket (arrive-in-three-parts "/test/upload" (+ 3000 (length ending))
+                                              (concatenate 'string preamble
+                                                           (octets-text (- 500 (length preamble)) #\a))
+                                              (octets-text 2000 #\b)
+                                              "Content-Type: multipart/form-data; boundary=XyZ")))
+          (unwind-protect
+               (progn
+                 (send-text socket (concatenate 'string (octets-text 500 #\c) ending))
+                 (is (equal (format nil "a.bin ~D ~D" (- 3000 (length preamble))
+                                    (+ (* 97 (- 500 (length preamble))) (* 98 2000) (* 99 500)))
+                            (nth-value 1 (read-response socket)))
+                     "a multipart upload is parsed from the file"))
+            (usocket:socket-close socket)))
+        (let ((socket (arrive-in-three-parts "/test/body" 5000 (octets-text 500 #\a) (octets-text 2000 #\b))))
+          (usocket:socket-close socket)
+          (is (wait-until (lambda () (null (body-files directory))))
+              "a client that leaves mid-body leaves no file behind")
+          (is (wait-until (lambda () (zerop (stats server :arriving-bodies))))))))))
+
+(test bodies.stop-closes-connections-whose-body-is-arriving
+  (with-temporary-body-directory (directory)
+    (with-thread-leak-check ()
+      (let ((server (readiness-server :body-buffer-bytes 1000)))
+        (ht:start server)
+        (let ((small (send-body-head server "/test/body" 5000 (octets-text 500 #\a)))
+              (large (send-body-head server "/test/body" 5000 (octets-text 500 #\a))))
+          (unwind-protect
+               (progn
+                 (is (wait-until (lambda () (= 2 (stats server :arriving-bodies)))))
+                 (send-text large (octets-text 2500 #\a))
+                 (is (wait-until (lambda () (and (= 2 (stats server :arriving-bodies))
+                                                 (= 1 (length (body-files directory)))))))
+                 (ht:stop server)
+                 (is-true (closed-by-server-p small) "STOP closes a connection whose body is arriving")
+                 (is-true (closed-by-server-p large))
+                 (is (null (body-files directory)) "and removes the body's file"))
+            (usocket:socket-close small)
+            (usocket:socket-close large)))))))
+
+(test bodies.a-body-that-cannot-be-stored-is-500
+  (with-temporary-body-directory (directory)
+    ;; A directory under a regular file can never be made.
+    (let ((blocker (merge-pathnames "not-a-directory" directory)))
+      (with-open-file (out blocker :direction :output) (write-line "x" out))
+      (setf ht:*tmp-directory* (merge-pathnames "bodies/" (uiop:ensure-directory-pathname blocker)))
+      (with-readiness-server (server :body-buffer-bytes 1000)
+        (with-connection (socket server)
+          (send-text socket (concatenate 'string (post-with-length 5000) (octets-text 500 #\a)))
+          (is (wait-until (lambda () (= 1 (stats server :arriving-bodies)))))
+          (send-text socket (octets-text 2000 #\a))
+          (is (eql 500 (read-response socket)) "the client is told, not left waiting")
+          (is-true (closed-by-server-p socket)))
+        (is (= 1 (stats server :body-not-stored-replies)))
+        (is (zerop (stats server :arriving-bodies)))
+        (is (eql 200 (http-get server "/test/yo")) "and the server goes on serving")))))

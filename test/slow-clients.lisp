@@ -213,37 +213,59 @@ when it is still open after TIMEOUT seconds."
                 while (= count (length piece))))
       (serious-condition () nil))))
 
+(defun stop-during-transfer (folder soft-p stop-timeout)
+  "STOP, softly when SOFT-P, a server sending FOLDER's slow.bin to a client."
+  (with-thread-leak-check ()
+    (let* ((server (make-server 'parallel-easy-acceptor
+                                :document-root (pathname folder)
+                                :taskmaster (make-instance 'recycling-taskmaster :stop-timeout stop-timeout)))
+           (port (progn (ht:start server) (ht:acceptor-port server)))
+           (socket (connect server)))
+      (unwind-protect
+           (progn
+             (send-text socket (get-request "/slow.bin"))
+             (is (wait-until (lambda () (= 1 (stats server :unsent-replies)))))
+             (let ((reader (and soft-p (in-thread (lambda () (read-slow-file-reply socket 1000)))))
+                   (start (get-internal-real-time)))
+               (ht:stop server :soft soft-p)
+               (is (< (/ (- (get-internal-real-time) start) internal-time-units-per-second) stop-timeout)
+                   "~:[hard~;soft~] STOP during a transfer returns within its timeout" soft-p)
+               (if soft-p
+                   (is (equal '(200 t) (funcall reader)) "a soft STOP lets the file go out whole")
+                   (let ((received (octets-until-closed socket)))
+                     (is (and received (< received (* *slow-file-megabytes* 1024 1024)))
+                         "a hard STOP ends the transfer (~A octets arrived before the end)" received))))
+             (is (= 0 (stats server :threads)))
+             (is (= 0 (stats server :open-connections)))
+             (is (port-free-p port)))
+        (usocket:socket-close socket)
+        (when (ht:started-p server)
+          (abandon-acceptor server))))))
+
 (test slow-reader.stop-during-a-large-file-transfer
   (let ((folder (make-slow-file)))
     (unwind-protect
-         (loop for (soft-p stop-timeout) in '((nil 4) (t 30))
-               ;; The soft STOP waits, half its timeout at most, for a
-               ;; client that reads and checks 100 MiB.
-               do (with-thread-leak-check ()
-             (let* ((server (make-server 'parallel-easy-acceptor
-                                         :document-root (pathname folder)
-                                         :taskmaster (make-instance 'recycling-taskmaster
-                                                                    :stop-timeout stop-timeout)))
-                    (port (progn (ht:start server) (ht:acceptor-port server)))
-                    (socket (connect server)))
-               (unwind-protect
-                    (progn
-                      (send-text socket (get-request "/slow.bin"))
-                      (is (wait-until (lambda () (= 1 (stats server :unsent-replies)))))
-                      (let ((reader (and soft-p (in-thread (lambda () (read-slow-file-reply socket 1000)))))
-                            (start (get-internal-real-time)))
-                        (ht:stop server :soft soft-p)
-                        (is (< (/ (- (get-internal-real-time) start) internal-time-units-per-second) stop-timeout)
-                            "~:[hard~;soft~] STOP during a transfer returns within its timeout" soft-p)
-                        (if soft-p
-                            (is (equal '(200 t) (funcall reader)) "a soft STOP lets the file go out whole")
-                            (let ((received (octets-until-closed socket)))
-                              (is (and received (< received (* *slow-file-megabytes* 1024 1024)))
-                                  "a hard STOP ends the transfer (~A octets arrived before the end)" received))))
-                      (is (= 0 (stats server :threads)))
-                      (is (= 0 (stats server :open-connections)))
-                      (is (port-free-p port)))
-                 (usocket:socket-close socket)
-                 (when (ht:started-p server)
-                   (abandon-acceptor server))))))
+         (progn
+           (stop-during-transfer folder nil 4)
+           ;; The soft STOP waits, half its timeout at most, for a client
+           ;; that reads and checks 100 MiB.
+           (stop-during-transfer folder t 30))
       (uiop:run-program (list "rm" "-rf" folder)))))
+
+(test slow-reader.kept-alive-after-its-reply
+  ;; The reply takes longer than the header timeout to go; the connection
+  ;; then waits for its next request under the keep-alive timeout, not the
+  ;; header timeout of the request before.
+  (with-server (server (make-server 'parallel-easy-acceptor :header-timeout 1))
+    (let ((socket (request-without-reading server "/test/unread-reply")))
+      (unwind-protect
+           (progn
+             (is (wait-until (lambda () (= 1 (stats server :unsent-replies)))))
+             (sleep 1.5)
+             (is (equalp *unread-reply* (nth-value 1 (read-whole-response socket))))
+             (sleep 0.5)
+             (send-text socket (get-request "/test/yo"))
+             (multiple-value-bind (status body) (read-whole-response socket)
+               (is (eql 200 status) "the next request on the connection is answered, not ~A" status)
+               (is (equalp (flex:string-to-octets "Hey!") body))))
+        (usocket:socket-close socket)))))

@@ -54,7 +54,8 @@ Third value: true when the content stream is chunked."
                         (flex:make-in-memory-input-stream buffer :start body-start :end end)))
          (content (if buffered (make-concatenated-stream buffered stream) stream)))
     (if (assoc :transfer-encoding headers)
-        (values (make-chunked-body-stream (if buffered (make-two-way-stream content stream) stream))
+        (values (make-chunked-body-stream (if buffered (make-two-way-stream content stream) stream)
+                                          (acceptor-max-body-bytes hunchentoot:*acceptor*))
                 buffered t)
         (values content buffered nil))))
 

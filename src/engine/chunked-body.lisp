@@ -32,8 +32,13 @@
 been read: the connection's next octets begin the next request.")
    (failure
     :initform nil :accessor body-failure
-    :documentation "Why the body was found malformed, or NIL.  Every read
-after that signals again: the body's end can no longer be found.")
+    :documentation "The condition the body was refused with, or NIL.
+Every read after that signals it again: the body's end can no longer be
+found.")
+   (octets-left
+    :initarg :octets-left :accessor body-octets-left
+    :documentation "How many more octets of chunk data the acceptor's
+MAX-BODY-BYTES allows, or NIL for no limit.")
    (reply-started-p
     :initform nil :accessor reply-started-p
     :documentation "True once an octet of the reply has been written."))
@@ -45,24 +50,29 @@ the body's end.  CHUNGA:CHUNKED-INPUT-STREAM-TRAILERS holds the trailer
 fields whose names are already keywords; the others are dropped, since
 interning them would let a client grow the keyword package at will."))
 
-(defun malformed-body-unanswered-p (content-stream chunked-p)
-  "True when the request body, read from CONTENT-STREAM (chunked when
-CHUNKED-P), was found malformed and no octet of the reply has been written:
-the request can still be answered 400."
-  (and chunked-p (body-failure content-stream) (not (reply-started-p content-stream))))
+(defun unanswered-body-refusal (content-stream chunked-p)
+  "The status the request is to be answered, when its body, read from
+CONTENT-STREAM (chunked when CHUNKED-P), was refused and no octet of the
+reply has been written: 413 for a body over the limit, 400 for a malformed
+one.  NIL otherwise."
+  (let ((failure (and chunked-p (body-failure content-stream))))
+    (when (and failure (not (reply-started-p content-stream)))
+      (if (typep failure 'request-body-too-large) 413 400))))
 
-(defun make-chunked-body-stream (stream)
+(defun make-chunked-body-stream (stream max-body-bytes)
   "A CHUNKED-BODY-STREAM decoding the body from STREAM, a bidirectional
-binary stream."
-  (let ((chunked (make-instance 'chunked-body-stream :real-stream stream)))
+binary stream, of at most MAX-BODY-BYTES octets (NIL: no limit)."
+  (let ((chunked (make-instance 'chunked-body-stream :real-stream stream :octets-left max-body-bytes)))
     (setf (chunga:chunked-stream-input-chunking-p chunked) t
           (chunk-buffer chunked) (make-array +chunk-buffer-bytes+ :element-type '(unsigned-byte 8)))
     chunked))
 
+(defun refuse-body (stream condition)
+  (error (setf (body-failure stream) condition)))
+
 (defun malformed-body (stream reason &rest arguments)
-  (error 'chunked-body-malformed
-         :stream stream
-         :reason (setf (body-failure stream) (apply #'format nil reason arguments))))
+  (refuse-body stream (make-condition 'chunked-body-malformed
+                                      :stream stream :reason (apply #'format nil reason arguments))))
 
 (defmethod trivial-gray-streams:stream-write-byte :before ((stream chunked-body-stream) octet)
   (declare (ignore octet))
@@ -140,7 +150,7 @@ off, so that STREAM reads INNER's next octets unchanged."
 (defmethod refill-chunk-buffer ((stream chunked-body-stream))
   (let ((inner (chunga:chunked-stream-stream stream)))
     (when (body-failure stream)
-      (malformed-body stream "~A" (body-failure stream)))
+      (error (body-failure stream)))
     (when (zerop (chunk-remaining stream))
       (when (expecting-crlf-p stream)
         (unless (and (= (read-body-octet stream inner) +cr+) (= (read-body-octet stream inner) +lf+))
@@ -149,6 +159,12 @@ off, so that STREAM reads INNER's next octets unchanged."
                                                            "a chunk-size line"))))
         (when (zerop size)
           (return-from refill-chunk-buffer (end-chunked-body stream inner)))
+        (let ((left (body-octets-left stream)))
+          (when left
+            (when (> size left)
+              (refuse-body stream (make-condition 'request-body-too-large :stream stream :limit
+                                                  (acceptor-max-body-bytes hunchentoot:*acceptor*))))
+            (setf (body-octets-left stream) (- left size))))
         (setf (chunk-remaining stream) size)))
     (let* ((buffer (chunk-buffer stream))
            (wanted (min (chunk-remaining stream) (length buffer)))

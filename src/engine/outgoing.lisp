@@ -62,7 +62,7 @@ False when no descriptor was left to duplicate it with."
     (when (or file-fd (every #'piece-octets pieces))
       (setf (connection-outgoing connection)
             (make-outgoing (loop for piece in pieces
-                                 collect (if (eq (piece-octets piece) borrowed-octets)
+                                 collect (if (and borrowed-octets (eq (piece-octets piece) borrowed-octets))
                                              (make-octets-piece (subseq borrowed-octets (piece-start piece)
                                                                         (piece-end piece))
                                                                 0 (- (piece-end piece) (piece-start piece)))
@@ -82,6 +82,34 @@ gone or the file ended early."
       (:sent t)
       (:failed nil)
       (t (keep-outgoing set connection left file-fd borrowed-octets)))))
+
+(defun body-pieces (body)
+  "BODY -- NIL, octets, or a list of pieces -- as a list of pieces."
+  (if (listp body) body (list (make-octets-piece body 0 (length body)))))
+
+(defun send-reply-without-waiting (set connection head head-end body file-fd)
+  "Send a reply on CONNECTION, held by the caller, as far as its socket
+takes it now: the octets of HEAD below HEAD-END (a buffer the caller
+reuses), then BODY -- NIL, octets, or a list of pieces whose file pieces
+are read from FILE-FD, which stays the caller's.  The rest is kept as
+CONNECTION's OUTGOING; nothing is allocated when the socket takes the head
+and a body of octets whole.  True when the reply went or will; false when
+the client has gone or the file ended early."
+  (let ((sent (send-octets (connection-fd connection) head 0 head-end :more body)))
+    (cond ((eq sent :error) nil)
+          ((and (eql sent head-end) (typep body 'octets))
+           (let ((body-sent (send-octets (connection-fd connection) body 0 (length body))))
+             (cond ((eq body-sent :error) nil)
+                   ((eql body-sent (length body)) t)
+                   (t (keep-outgoing set connection
+                                     (list (make-octets-piece body (if (integerp body-sent) body-sent 0)
+                                                              (length body)))
+                                     nil nil)))))
+          ((eql sent head-end)
+           (or (null body) (send-reply-pieces-without-waiting set connection body file-fd nil)))
+          (t (keep-outgoing set connection
+                            (cons (make-octets-piece head (if (integerp sent) sent 0) head-end) (body-pieces body))
+                            file-fd head)))))
 
 (defun drop-outgoing (set connection)
   "Forget CONNECTION's OUTGOING, sent or not, closing its file."

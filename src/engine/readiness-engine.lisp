@@ -130,70 +130,127 @@ parked, closed or let go afterwards."
     (when (let-go-of-connection worker)
       (close-connection set connection))))
 
+(defun answer-parsed-request (engine worker connection head content-stream chunked-p continue-p)
+  "Answer the request whose REQUEST-HEAD is HEAD, its body read from
+CONTENT-STREAM (chunked when CHUNKED-P; then also the stream the reply is
+written to), after a 100 Continue when CONTINUE-P.  Returns :KEEP-ALIVE,
+:CLOSE, :LET-GO (a handler took the connection over), or :REFUSE and a
+status (a chunked body refused before the reply began)."
+  (let ((acceptor (engine-acceptor engine))
+        (taskmaster (engine-taskmaster engine))
+        (stream (connection-stream connection))
+        (started (get-internal-real-time))
+        (outcome nil)
+        (status nil))
+    (unless (note-request-started taskmaster worker)
+      (return-from answer-parsed-request :close))
+    (unwind-protect
+         (handler-bind ((error
+                          (lambda (condition)
+                            (declare (ignore condition))
+                            ;; Escaping Hunchentoot, a refused chunked body
+                            ;; comes wrapped in USOCKET conditions: the stream
+                            ;; tells.
+                            (let ((refusal (unanswered-body-refusal content-stream chunked-p)))
+                              (when refusal
+                                (return-from answer-parsed-request (values :refuse refusal)))))))
+           (when continue-p
+             (write-sequence *continue-reply* stream)
+             (force-output stream))
+           (setf (values outcome status)
+                 (let ((*reply-connection* (and (not chunked-p) (plain-connection-p connection) connection)))
+                   (answer-request acceptor head (connection-addresses connection)
+                                   stream content-stream chunked-p))))
+      ;; Also when the request failed: a soft STOP waits for it.
+      (note-request-finished taskmaster worker :answered (and outcome t)))
+    (setf (connection-answered-p connection) t)
+    (count-answered-request (engine-readiness-set engine) status started)
+    (ecase outcome
+      (:detached :let-go)
+      ((:close :keep-alive) outcome))))
+
+(defun body-still-arriving-p (headers head-end end)
+  "True when HEADERS declare a Content-Length body that has not all arrived
+in the buffer, whose head ends at HEAD-END and octets at END."
+  (let ((content-length (cdr (assoc :content-length headers))))
+    (and content-length (> (parse-integer content-length) (- end head-end)))))
+
 (defun answer-buffered-request (engine worker connection request-start request-line-end head-end end)
-  "Answer the request whose head is in WORKER's buffer.  Returns :KEEP-ALIVE
-and the end of the next request's octets (moved to the start of the
-buffer); :CLOSE; :LET-GO (a handler took the connection over); or :REFUSE
-and the status the head is refused with.  The buffer is not an argument of
-this frame, which a handler's backtrace shows: it holds other clients'
-octets."
+  "Answer the request whose head is in WORKER's buffer, or begin reading its
+body.  Returns :KEEP-ALIVE and the end of the next request's octets (moved
+to the start of the buffer); :BODY-STARTED, when its Content-Length body
+has not all arrived and has become CONNECTION's ARRIVING-BODY (the buffer
+is then empty); :CLOSE; :LET-GO (a handler took the connection over); or
+:REFUSE and the status the head is refused with.  The buffer is not an
+argument of this frame, which a handler's backtrace shows: it holds other
+clients' octets."
   (let* ((buffer (worker-buffer worker))
          (head (handler-case (parse-request-head buffer request-start request-line-end head-end)
                  (request-head-refused (condition)
                    (return-from answer-buffered-request (values :refuse (refused-status condition))))))
          (headers (request-head-headers head))
-         (acceptor (engine-acceptor engine))
-         (taskmaster (engine-taskmaster engine)))
+         (acceptor (engine-acceptor engine)))
     (cond ((and (assoc :transfer-encoding headers)
                 (not (hunchentoot:acceptor-input-chunking-p acceptor)))
            ;; This acceptor takes no chunked body: RFC 9112 6.3 says 411.
            (values :refuse 411))
-          ((not (note-request-started taskmaster worker)) :close)
+          ((body-over-limit-p headers (acceptor-max-body-bytes acceptor))
+           ;; Refused before a 100 Continue, so the client need not send it.
+           (values :refuse 413))
+          ((body-still-arriving-p headers head-end end)
+           (when (expects-continue-p headers)
+             (write-sequence *continue-reply* (connection-stream connection))
+             (force-output (connection-stream connection)))
+           (start-arriving-body (engine-readiness-set engine) connection head
+                                (parse-integer (cdr (assoc :content-length headers))) buffer head-end end)
+           :body-started)
           (t
-           (let* ((stream (connection-stream connection))
-                  (body-p (request-has-body-p headers))
-                  (started (get-internal-real-time))
-                  (outcome nil)
-                  (status nil))
+           (let ((stream (connection-stream connection))
+                 (body-p (request-has-body-p headers)))
              (multiple-value-bind (content-stream buffered chunked-p)
                  (if body-p (content-stream-for headers stream buffer head-end end) stream)
-               (when (expects-continue-p headers)
-                 (write-sequence *continue-reply* stream)
-                 (force-output stream))
-               (unwind-protect
-                    (handler-bind ((error
-                                     (lambda (condition)
-                                       (declare (ignore condition))
-                                       ;; Escaping Hunchentoot, a malformed
-                                       ;; chunked body comes wrapped in USOCKET
-                                       ;; conditions: the stream tells.
-                                       (when (malformed-body-unanswered-p content-stream chunked-p)
-                                         (return-from answer-buffered-request (values :refuse 400))))))
-                      (setf (values outcome status)
-                            (let ((*reply-connection* (and (not chunked-p) (plain-connection-p connection)
-                                                           connection)))
-                              (answer-request acceptor head (connection-addresses connection)
-                                              stream content-stream chunked-p))))
-                 ;; Also when the request failed: a soft STOP waits for it.
-                 (note-request-finished taskmaster worker :answered (and outcome t)))
-               (count-answered-request (engine-readiness-set engine) status started)
-               (ecase outcome
-                 (:detached :let-go)
-                 (:close :close)
-                 (:keep-alive
-                  ;; A chunked body read only in part leaves no way to find
-                  ;; where the next request starts.
-                  (let ((next-end (and (or (not chunked-p) (body-finished-p content-stream))
-                                       (next-request-octets connection buffer body-p buffered head-end end))))
-                    (if next-end (values :keep-alive next-end) :close))))))))))
+               (multiple-value-bind (outcome status)
+                   (answer-parsed-request engine worker connection head content-stream chunked-p
+                                          (expects-continue-p headers))
+                 (if (eq outcome :keep-alive)
+                     ;; A chunked body read only in part leaves no way to
+                     ;; find where the next request starts.
+                     (let ((next-end (and (or (not chunked-p) (body-finished-p content-stream))
+                                          (next-request-octets connection buffer body-p buffered head-end end))))
+                       (if next-end (values :keep-alive next-end) :close))
+                     (values outcome status)))))))))
+
+(defun answer-arrived-body (engine worker connection)
+  "Read what has arrived of CONNECTION's ARRIVING-BODY; once it is whole,
+answer its request.  Returns :READ-BODY when more is to come; :CLOSE when
+the client left; :REFUSE and 500 when the body could not be stored; else what ANSWER-PARSED-REQUEST returns, with 0 as the end
+of the next request's octets (none were read)."
+  (let* ((set (engine-readiness-set engine))
+         (acceptor (engine-acceptor engine))
+         (body (connection-arriving-body connection)))
+    (ecase (handler-case (receive-body-octets connection body (worker-buffer worker)
+                                              (acceptor-body-buffer-bytes acceptor))
+             (request-body-not-stored (condition)
+               (log-safely acceptor :error "~A" condition)
+               (return-from answer-arrived-body (values :refuse 500))))
+      (:would-block :read-body)
+      (:closed :close)
+      (:whole
+       (multiple-value-bind (outcome status)
+           (unwind-protect
+                (answer-parsed-request engine worker connection (arriving-body-head body)
+                                       (arrived-body-stream body) nil nil)
+             (discard-arriving-body set connection))
+         (if (eq outcome :keep-alive) (values :keep-alive 0) (values outcome status)))))))
 
 (defun answer-arrived-requests (engine worker connection)
   "Send the rest of CONNECTION's last reply, then answer every request it
-has sent so far.  Returns what is to become of it: :PARK and the end of
-the partial head at the start of WORKER's buffer (0 for none); :SEND-REST
-and the same, when the socket did not take a reply whole; :CLOSE; :LET-GO;
-or :REFUSE and a status.  The octets of the next request always start the
-buffer: NEXT-REQUEST-OCTETS moves them there."
+has sent so far, reading the bodies that follow their heads.  Returns what
+is to become of it: :PARK and the end of the partial head at the start of
+WORKER's buffer (0 for none); :SEND-REST and the same, when the socket did
+not take a reply whole; :READ-BODY, when a request's body is still to
+come; :CLOSE; :LET-GO; or :REFUSE and a status.  The octets of the next
+request always start the buffer: NEXT-REQUEST-OCTETS moves them there."
   (let* ((buffer (worker-buffer worker))
          (max-header-bytes (acceptor-max-header-bytes (engine-acceptor engine)))
          (end (take-pending-bytes connection buffer)))
@@ -202,34 +259,41 @@ buffer: NEXT-REQUEST-OCTETS moves them there."
         (:would-block (return-from answer-arrived-requests (values :send-rest end)))
         (:close (return-from answer-arrived-requests :close))))
     (loop
-      (multiple-value-bind (status request-start request-line-end head-end)
-          (scan-request-head buffer 0 end max-header-bytes)
-        (case status
-          (:complete
-           (multiple-value-bind (outcome next)
-               (answer-buffered-request engine worker connection
-                                        request-start request-line-end head-end end)
-             (setf (connection-answered-p connection) t)
-             (let ((outgoing (connection-outgoing connection)))
-               (when outgoing
-                 (setf (outgoing-then outgoing) (if (eq outcome :keep-alive) :keep-alive :close))
-                 (return (values :send-rest (if (eq outcome :keep-alive) next 0)))))
-             (unless (eq outcome :keep-alive)
-               (return (values outcome next)))
-             (setf end next
-                   (connection-head-started connection) (and (plusp end) (get-internal-real-time)))
-             (when (zerop end)
-               ;; Trying one more read before parking did not pay (bench run
-               ;; 2026-11-22T004655Z), so a kept-alive connection parks at once.
-               (return (values :park 0)))))
-          (:incomplete
-           (let ((count (receive-bytes connection buffer end (length buffer))))
-             (cond ((eq count :would-block) (return (values :park end)))
-                   ((or (eq count :error) (zerop count)) (return :close))
-                   (t (unless (connection-head-started connection)
-                        (setf (connection-head-started connection) (get-internal-real-time)))
-                      (incf end count)))))
-          (t (return (values :refuse status))))))))
+      (multiple-value-bind (outcome next)
+          (if (connection-arriving-body connection)
+              (answer-arrived-body engine worker connection)
+              (multiple-value-bind (status request-start request-line-end head-end)
+                  (scan-request-head buffer 0 end max-header-bytes)
+                (case status
+                  (:complete
+                   (answer-buffered-request engine worker connection request-start request-line-end head-end end))
+                  (:incomplete
+                   (let ((count (receive-bytes connection buffer end (length buffer))))
+                     (cond ((eq count :would-block) (values :park end))
+                           ((or (eq count :error) (zerop count)) :close)
+                           (t (unless (connection-head-started connection)
+                                (setf (connection-head-started connection) (get-internal-real-time)))
+                              (incf end count)
+                              :more))))
+                  (t (values :refuse status)))))
+        (case outcome
+          (:more)
+          (:body-started (setf end 0))
+          ((:keep-alive :close :let-go)
+           (when (eq outcome :keep-alive)
+             (setf (connection-head-started connection) (and (plusp next) (get-internal-real-time))))
+           (let ((outgoing (connection-outgoing connection)))
+             (when outgoing
+               (setf (outgoing-then outgoing) (if (eq outcome :keep-alive) :keep-alive :close))
+               (return (values :send-rest (if (eq outcome :keep-alive) next 0)))))
+           (unless (eq outcome :keep-alive)
+             (return outcome))
+           (setf end next)
+           (when (zerop end)
+             ;; Trying one more read before parking did not pay (bench run
+             ;; 2026-11-22T004655Z), so a kept-alive connection parks at once.
+             (return (values :park 0))))
+          (t (return (values outcome next))))))))
 
 (defun park-until (engine set connection deadline)
   "Park CONNECTION, which the caller holds, until bytes arrive or DEADLINE
@@ -263,12 +327,21 @@ pool is stopping."
 (defun park-until-writable (engine set connection buffer end)
   "Park CONNECTION, whose reply its socket did not take whole, until the
 socket has room, keeping the END octets of BUFFER (requests the client
-sent meanwhile); the client has the write timeout to take more."
+sent meanwhile); the client has the write timeout to take more, and again
+each time it has taken some (CLIENT-TOOK-OCTETS-P)."
   (when (plusp end)
     (setf (connection-pending connection) (subseq buffer 0 end)))
   (setf (connection-awaiting connection) :output
         (connection-timeout-status connection) nil)
+  (note-unacknowledged-octets connection)
   (park-until engine set connection (+ (get-internal-real-time) (readiness-set-write-timeout set))))
+
+(defun park-until-body-arrives (engine set connection)
+  "Park CONNECTION, held by the caller, until more of its ARRIVING-BODY
+comes; it is answered 408 if nothing does for the read timeout."
+  (setf (connection-awaiting connection) :input
+        (connection-timeout-status connection) nil)
+  (park-until engine set connection (+ (get-internal-real-time) (readiness-set-read-timeout set))))
 
 (defmethod hunchentoot:process-connection ((acceptor parallel-acceptor) (socket connection-socket))
   "Serve the requests that have arrived on the connection SOCKET stands for,
@@ -285,6 +358,7 @@ Called each time a worker takes the connection up, not once for its life:
           (ecase outcome
             (:park (park-or-end engine set connection (worker-buffer worker) detail))
             (:send-rest (park-until-writable engine set connection (worker-buffer worker) detail))
+            (:read-body (park-until-body-arrives engine set connection))
             (:close (close-connection set connection))
             (:let-go (remove-connection set connection))
             (:refuse (refuse-and-close set connection detail))))))))

@@ -16,6 +16,7 @@ pipelined requests."
                               :keep-alive-timeout (acceptor-keep-alive-timeout acceptor)
                               :queue-timeout (acceptor-queue-timeout acceptor)
                               :write-timeout (hunchentoot:acceptor-write-timeout acceptor)
+                              :read-timeout (hunchentoot:acceptor-read-timeout acceptor)
                               :server-name (acceptor-server-name acceptor)
                               :refusal-logger (lambda (connection status)
                                                 (log-refused-request acceptor (connection-addresses connection)

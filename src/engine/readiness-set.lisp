@@ -35,11 +35,17 @@
   ;; The octets that arrived and are not yet answered (part of a head, or
   ;; pipelined requests), or NIL.
   (pending nil)
-  ;; What a parked connection waits for: :INPUT (a request's octets) or
-  ;; :OUTPUT (room in the socket buffer for the rest of its reply).
+  ;; What a parked connection waits for: :INPUT (a request's octets, head
+  ;; or body) or :OUTPUT (room in the socket buffer for the rest of its
+  ;; reply).
   (awaiting :input)
   ;; The OUTGOING rest of a reply the socket did not take whole, or NIL.
   (outgoing nil)
+  ;; The ARRIVING-BODY of a request whose body the engine is reading, or NIL.
+  (arriving-body nil)
+  ;; While it waits for output: the octets its client had not acknowledged
+  ;; when it was last parked or looked at, or NIL.
+  (unacknowledged nil)
   ;; True once the descriptor has been added to the epoll set.
   (armed-p nil)
   ;; True once a request of this connection has been answered: before, a
@@ -84,6 +90,8 @@ keeps it from run to run; each run's set counts into it."
   ;; Connections closed because their client took none of its reply for
   ;; the acceptor's write timeout.
   (write-timeouts 0 :type word)
+  ;; Requests answered 408 because their body stalled for the read timeout.
+  (body-timeouts 0 :type word)
   ;; Per status of *HEAD-REFUSALS*, the heads refused with it.
   (refused-heads (make-array (length *head-refusals*) :element-type 'word :initial-element 0)
    :type (simple-array word (*)) :read-only t)
@@ -129,6 +137,8 @@ keeps it from run to run; each run's set counts into it."
   (queue-timeout 0 :type fixnum :read-only t)
   ;; Internal time units a reply may wait for its client to take any of it.
   (write-timeout 0 :type fixnum :read-only t)
+  ;; Internal time units a request body may stall between two octets.
+  (read-timeout 0 :type fixnum :read-only t)
   ;; What the Retry-After header of a 503 says.
   (retry-after-seconds 0 :type fixnum :read-only t)
   ;; What the Server header of a refusal says: the acceptor's server name.
@@ -142,15 +152,22 @@ keeps it from run to run; each run's set counts into it."
   (parked-count 0 :type word)
   ;; Connections whose reply is left to send, parked or being sent.
   (outgoing-count 0 :type word)
+  ;; Connections whose request body is arriving, parked or being read.
+  (arriving-body-count 0 :type word)
   ;; The engine's CONNECTION-COUNTERS, which this set counts into.
   (counters nil :type connection-counters :read-only t))
 
+(defmethod print-object ((set readiness-set) stream)
+  (print-unreadable-object (set stream :type t :identity t)
+    (format stream "epoll fd ~D, ~D connections, ~D parked"
+            (readiness-set-epoll-fd set) (readiness-set-connection-count set) (readiness-set-parked-count set))))
+
 (defun make-readiness-set (listen-socket counters
-                           &key header-timeout keep-alive-timeout queue-timeout write-timeout
+                           &key header-timeout keep-alive-timeout queue-timeout write-timeout read-timeout
                              server-name refusal-logger)
   "A readiness set watching LISTEN-SOCKET (made non-blocking: a worker woken
 for it may find the connection already taken), counting into COUNTERS.  The
-timeouts are in seconds; a WRITE-TIMEOUT of NIL means a year."
+timeouts are in seconds; a WRITE-TIMEOUT or READ-TIMEOUT of NIL means a year."
   (let* ((epoll-fd (make-epoll-set))
          (set (%make-readiness-set :epoll-fd epoll-fd :wakeup-fd (make-wakeup-fd)
                                    :listen-fd (socket-file-descriptor listen-socket)
@@ -159,6 +176,7 @@ timeouts are in seconds; a WRITE-TIMEOUT of NIL means a year."
                                    :keep-alive-timeout (seconds->internal-units keep-alive-timeout)
                                    :queue-timeout (seconds->internal-units queue-timeout)
                                    :write-timeout (seconds->internal-units (or write-timeout 31536000))
+                                   :read-timeout (seconds->internal-units (or read-timeout 31536000))
                                    :retry-after-seconds (ceiling queue-timeout)
                                    :server-name server-name
                                    :refusal-logger refusal-logger)))
@@ -346,19 +364,24 @@ client is gone already."
   (remove-connection set connection)
   (when (connection-outgoing connection)
     (drop-outgoing set connection))
+  (when (connection-arriving-body connection)
+    (discard-arriving-body set connection))
   (let ((stream (connection-stream connection))
         (fd-stream (connection-fd-stream connection)))
     (when (and stream (not (eq stream fd-stream)))
       (ignore-errors (close stream :abort t)))
     (ignore-errors (close fd-stream :abort t))))
 
-(defun refuse-and-close (set connection status)
-  "Answer CONNECTION's request with the error reply for STATUS and close it.
-The reply and FIN go out before the close, so that the client reads the
-reply before the reset that unread input provokes."
-  (count-refused-head set status)
+(defun refuse-and-close (set connection status &key explanation)
+  "Answer CONNECTION's request with the error reply for STATUS and close it;
+EXPLANATION, when given, is what its page says instead of what
+*HEAD-REFUSALS* says, and the refusal is then counted by the caller.  The
+reply and FIN go out before the close, so that the client reads the reply
+before the reset that unread input provokes."
+  (unless explanation
+    (count-refused-head set status))
   (let ((reply (head-error-reply status (readiness-set-server-name set)
-                                 (readiness-set-retry-after-seconds set)))
+                                 (readiness-set-retry-after-seconds set) explanation))
         (stream (connection-stream connection))
         (fd (connection-fd connection)))
     ;; The sweeper calls this too and must not wait.  Plain text that does
@@ -375,13 +398,37 @@ reply before the reset that unread input provokes."
   (close-connection set connection)
   (funcall (readiness-set-refusal-logger set) connection status))
 
+(defun note-unacknowledged-octets (connection)
+  "Remember how many octets CONNECTION's client has not acknowledged yet."
+  (setf (connection-unacknowledged connection) (unacknowledged-octets (connection-fd connection))))
+
+(defun client-took-octets-p (connection)
+  "True when CONNECTION's client has acknowledged octets since
+NOTE-UNACKNOWLEDGED-OCTETS was last called on it, which this is again.  A
+client reading slowly through a full socket buffer is so told from one
+reading nothing: the socket is not reported writable until a third of the
+buffer is free, which at 1 KiB a second takes far longer than the write
+timeout."
+  (let ((before (connection-unacknowledged connection))
+        (now (note-unacknowledged-octets connection)))
+    (and before now (< now before))))
+
 (defun end-parked-connection (set connection)
   "CONNECTION, held by the caller, has reached its deadline: answer it its
 TIMEOUT-STATUS, or close it without a word (a kept-alive connection that
 sent nothing, a client that took none of its reply)."
   (let ((status (connection-timeout-status connection))
         (counters (readiness-set-counters set)))
-    (cond (status (refuse-and-close set connection status))
+    (cond ((connection-arriving-body connection)
+           (atomic-increment (connection-counters-body-timeouts counters))
+           (count-reply counters 408)
+           (refuse-and-close set connection 408 :explanation "The request body did not arrive in time."))
+          (status (refuse-and-close set connection status))
+          ((and (connection-outgoing connection) (client-took-octets-p connection))
+           ;; The kernel had no room to report all this time, yet the client
+           ;; reads: it has the write timeout again.
+           (unless (park-connection set connection (+ (get-internal-real-time) (readiness-set-write-timeout set)))
+             (close-connection set connection)))
           ((connection-outgoing connection)
            (atomic-increment (connection-counters-write-timeouts counters))
            (close-connection set connection))
@@ -413,9 +460,11 @@ none runs) holds now, and what COUNTERS counted ever."
   (list* :parked-connections (if set (readiness-set-parked-count set) 0)
          :open-connections (if set (readiness-set-connection-count set) 0)
          :unsent-replies (if set (readiness-set-outgoing-count set) 0)
+         :arriving-bodies (if set (readiness-set-arriving-body-count set) 0)
          :connections-accepted (connection-counters-accepted counters)
          :keep-alive-timeouts (connection-counters-keep-alive-timeouts counters)
          :write-timeouts (connection-counters-write-timeouts counters)
+         :body-timeout-replies (connection-counters-body-timeouts counters)
          :replies-by-class (loop for class from 1 to 5
                                  collect (cons class (aref (connection-counters-replies-by-class counters) class)))
          :request-duration-buckets (loop for bound across *duration-bucket-seconds*

@@ -278,39 +278,35 @@ stream.  NIL otherwise."
          (eq (current-connection-stream) (connection-fd-stream connection))
          connection)))
 
-(defun send-reply-pieces (request return-code content-length pieces &optional file-fd)
+(defun send-reply-pieces (request return-code content-length body &optional file-fd)
   "Send RETURN-CODE's head (see BUILD-REPLY-HEAD) for a body of
-CONTENT-LENGTH octets, then PIECES, the body (file pieces read from FILE-FD,
-which stays the caller's).  On a plain connection they are sent without
-waiting and what the socket does not take is left to the engine, which
-sends it when the client reads; elsewhere they are written to the current
-connection stream.  True when the body went whole or will; false when the
-client has gone or the file ended early."
+CONTENT-LENGTH octets, then BODY: NIL, octets, or a list of pieces whose
+file pieces are read from FILE-FD, which stays the caller's.  On a plain
+connection the reply is sent without waiting and what the socket does not
+take is left to the engine, which sends it when the client reads; a body of
+octets up to +COALESCED-BODY-BYTES+ goes in the head's buffer.  Elsewhere
+it is written to the current connection stream.  True when the body went
+whole or will; false when the client has gone or the file ended early."
   (let ((head (build-reply-head request return-code content-length))
         (connection (engine-reply-connection)))
     (if connection
-        (let ((stream (current-connection-stream)))
-          (finish-output stream)
-          (let ((only (and pieces (null (rest pieces)) (first pieces))))
-            (when (and only (piece-octets only)
-                       (<= (- (piece-end only) (piece-start only)) +coalesced-body-bytes+))
-              (push-octets (piece-octets only) head :start (piece-start only) :end (piece-end only))
-              (setf pieces '())))
-          (send-reply-pieces-without-waiting
-           (current-readiness-set) connection
-           (cons (make-octets-piece (reply-head-octets head) 0 (reply-head-end head)) pieces)
-           file-fd (reply-head-octets head)))
+        (progn
+          (finish-output (current-connection-stream))
+          (when (and (typep body 'octets) (<= (length body) +coalesced-body-bytes+))
+            (push-octets body head)
+            (setf body nil))
+          (send-reply-without-waiting (current-readiness-set) connection
+                                      (reply-head-octets head) (reply-head-end head) body file-fd))
         (let ((stream (current-connection-stream)))
           (write-sequence (reply-head-octets head) stream :end (reply-head-end head))
-          (write-pieces pieces file-fd stream)))))
+          (write-pieces (body-pieces body) file-fd stream)))))
 
 (defun send-octets-reply (request return-code content)
   "Send RETURN-CODE with the body CONTENT, a string or octets, head and
 body as octets (SEND-REPLY-PIECES).  No body for HEAD."
   (let ((octets (coerce (body-octets content) 'octets)))
     (unless (send-reply-pieces request return-code (length octets)
-                               (unless (eq (hunchentoot:request-method request) :head)
-                                 (list (make-octets-piece octets 0 (length octets)))))
+                               (unless (eq (hunchentoot:request-method request) :head) octets))
       (setf (finish-processing-connection-p) t))))
 
 (defun send-reply (request return-code content)

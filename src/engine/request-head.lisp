@@ -311,6 +311,12 @@ Host header (3.2.2)."
   ;; :HTTP/1.1 or :HTTP/1.0.
   (protocol nil :type keyword :read-only t))
 
+(defmethod print-object ((head request-head) stream)
+  ;; Backtraces and logs print it: its method and header count tell which
+  ;; request it is without repeating the client's bytes in every frame.
+  (print-unreadable-object (head stream :type t :identity t)
+    (format stream "~A, ~D headers" (request-head-method head) (length (request-head-headers head)))))
+
 (defun parse-request-head (buffer request-start request-line-end head-end)
   "Parse the complete head that SCAN-REQUEST-HEAD found into a REQUEST-HEAD.
 Signals REQUEST-HEAD-REFUSED with 400 for a malformed head, an ambiguous
@@ -334,6 +340,13 @@ is accepted."
     (or (assoc :transfer-encoding headers)
         (and content-length (string/= content-length "0")))))
 
+(defun body-over-limit-p (headers max-body-bytes)
+  "True when HEADERS declare a Content-Length over MAX-BODY-BYTES (NIL: no
+limit).  The head parser has made sure the value is digits."
+  (let ((content-length (cdr (assoc :content-length headers))))
+    (and max-body-bytes content-length
+         (> (parse-integer content-length) max-body-bytes))))
+
 (defun expects-continue-p (headers)
   (let ((expect (cdr (assoc :expect headers))))
     (and expect (search "100-continue" expect :test #'char-equal))))
@@ -345,9 +358,11 @@ is accepted."
     (408 :header-timeout-replies "Request Timeout" "The request head did not arrive in time.")
     (411 :length-required-replies "Length Required"
      "This server takes a request body only with a Content-Length.")
+    (413 :content-too-large-replies "Content Too Large" "The request body is larger than this server takes.")
     (414 :uri-too-long-replies "URI Too Long" "The request line is longer than 8 KiB.")
     (431 :header-too-large-replies "Request Header Fields Too Large"
      "The request has too many header lines, or they are too long.")
+    (500 :body-not-stored-replies "Internal Server Error" "The request body could not be stored.")
     (501 :not-implemented-replies "Not Implemented" "The request's transfer coding is not implemented here.")
     (503 :queue-timeout-replies "Service Unavailable"
      "Every worker of this server was busy for too long.  Please try again later.")
@@ -356,15 +371,15 @@ is accepted."
 its counter's key in TASKMASTER-STATISTICS, its reason phrase, and the
 sentence its page says.")
 
-(defun head-error-reply (status server-name retry-after-seconds)
+(defun head-error-reply (status server-name retry-after-seconds &optional explanation)
   "The whole reply, status line to body, sent to a connection whose request
 is refused with STATUS before it is closed: with Date and Server
 (SERVER-NAME) headers, as Hunchentoot's replies have, and for 503 a
 Retry-After of RETRY-AFTER-SECONDS."
-  (destructuring-bind (statistic reason explanation) (rest (assoc status *head-refusals*))
+  (destructuring-bind (statistic reason default-explanation) (rest (assoc status *head-refusals*))
     (declare (ignore statistic))
     (let ((body (format nil "<html><head><title>~D ~A</title></head><body><h1>~A</h1><p>~A</p></body></html>"
-                        status reason reason explanation))
+                        status reason reason (or explanation default-explanation)))
           (crlf (coerce '(#\Return #\Linefeed) 'string)))
       (map 'octets (lambda (char) (min 255 (char-code char)))
            (format nil "HTTP/1.1 ~D ~A~ADate: ~A~AServer: ~A~A~:[~2*~;Retry-After: ~D~A~]~

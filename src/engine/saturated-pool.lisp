@@ -62,8 +62,7 @@ CONNECTION ready, so that the first worker free takes it."
 waiting, as a worker would, then park it again for the rest, or look at
 what the client has sent since."
   (ecase (send-outgoing set connection)
-    (:would-block
-     (park-until engine set connection (+ (get-internal-real-time) (readiness-set-write-timeout set))))
+    (:would-block (park-until-writable engine set connection nil 0))
     (:close (close-connection set connection))
     (:keep-alive
      (setf (connection-deadline connection) (+ (get-internal-real-time) (readiness-set-keep-alive-timeout set)))
@@ -75,6 +74,10 @@ free.  The rest of a reply is sent; for a request, a plain connection is
 looked at, and a TLS one cannot be without reading it, so that it has sent
 anything counts as a request waiting for a worker."
   (cond ((connection-outgoing connection) (send-rest-of-reply engine set connection))
+        ((connection-arriving-body connection)
+         ;; Its body is read by a worker, which parks it for no longer than
+         ;; the read timeout.
+         (park-until engine set connection (connection-deadline connection)))
         ((eql (connection-timeout-status connection) 503)
          (park-until engine set connection (connection-deadline connection)))
         ((plain-connection-p connection) (look-at-arrived-head engine set connection))

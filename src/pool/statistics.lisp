@@ -19,15 +19,19 @@ once the taskmaster has been started; the readiness engine's are
 :PARKED-CONNECTIONS (connections waiting without a thread, for bytes or
 for room to write), :OPEN-CONNECTIONS (parked or being served),
 :UNSENT-REPLIES (connections whose reply the socket has not taken whole,
-waiting for their client to read), and the totals :CONNECTIONS-ACCEPTED,
-:KEEP-ALIVE-TIMEOUTS (kept-alive connections closed after
-KEEP-ALIVE-TIMEOUT idle seconds), :WRITE-TIMEOUTS (connections closed
+waiting for their client to read), :ARRIVING-BODIES (requests whose body
+the engine is reading, before dispatch), and the totals
+:CONNECTIONS-ACCEPTED, :KEEP-ALIVE-TIMEOUTS (kept-alive connections closed
+after KEEP-ALIVE-TIMEOUT idle seconds), :WRITE-TIMEOUTS (connections closed
 because their client took none of its reply for the acceptor's write
-timeout), and one count per refused request
+timeout), :BODY-TIMEOUT-REPLIES (requests answered 408 because their body
+stalled for the read timeout), and one count per refused request
 head: :BAD-REQUEST-REPLIES (400: malformed, ambiguous framing, missing or invalid Host),
 :HEADER-TIMEOUT-REPLIES (408), :LENGTH-REQUIRED-REPLIES (411, a chunked
-body to an acceptor without input chunking), :URI-TOO-LONG-REPLIES (414),
-:HEADER-TOO-LARGE-REPLIES (431), :NOT-IMPLEMENTED-REPLIES (501, a transfer
+body to an acceptor without input chunking), :CONTENT-TOO-LARGE-REPLIES
+(413, a body over MAX-BODY-BYTES), :URI-TOO-LONG-REPLIES (414),
+:HEADER-TOO-LARGE-REPLIES (431), :BODY-NOT-STORED-REPLIES (500, a body
+the temporary directory would not take), :NOT-IMPLEMENTED-REPLIES (501, a transfer
 coding other than chunked), :QUEUE-TIMEOUT-REPLIES (503, a complete request
 that waited QUEUE-TIMEOUT for a worker) and :VERSION-NOT-SUPPORTED-REPLIES
 (505); :REPLIES-BY-CLASS, an alist from 1 to 5 (1xx to 5xx) to the replies

@@ -253,6 +253,18 @@ the socket buffer is full, or :ERROR (the client has gone)."
                          ((= errno +eagain+) (return :would-block))
                          (t (return :error))))))))))
 
+(defconstant +siocoutq+ #x5411)
+
+(defun unacknowledged-octets (fd)
+  "The octets written to the TCP socket FD that its peer has not
+acknowledged yet (ioctl SIOCOUTQ), or NIL when they cannot be told."
+  (sb-alien:with-alien ((count sb-alien:int))
+    (and (zerop (sb-alien:alien-funcall
+                 (sb-alien:extern-alien "ioctl" (function sb-alien:int sb-alien:int sb-alien:unsigned-long
+                                                          (* sb-alien:int)))
+                 fd +siocoutq+ (sb-alien:addr count)))
+         count)))
+
 (defun fd-writable-p (fd)
   "True when FD's socket has room for more output now."
   (sb-unix:unix-simple-poll fd :output 0))
