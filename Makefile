@@ -5,17 +5,18 @@
 # make bench-slowloris     1,000 slowloris connections for 60 s
 # make bench-slow-readers  1,000 clients asking 1 MiB and reading 1 KiB a second for 60 s
 # make bench-slow-bodies   1,000 clients POSTing 100 KiB at 1 KiB a second for 60 s
+# make bench-tls-handshakes  1,000 silent and 1,000 half-ClientHello TLS connections for 60 s
 # make bench-scale         1, 2 and one-per-core processes on one port, and behind nginx
 # Each target installs the Debian packages it needs first (make deps).
 
 PORT ?= 4242
 SBCL = sbcl --noinform --non-interactive --disable-debugger
 LIBRARY_PACKAGES = sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-flexi-streams \
-                   cl-chunga cl-ppcre
+                   cl-chunga cl-ppcre cl-plus-ssl cl-cffi
 TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd
-BENCH_PACKAGES = wrk nginx-light cl-aserve gnuplot-nox procps curl
+BENCH_PACKAGES = wrk nginx-light cl-aserve gnuplot-nox procps curl openssl
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-scale
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -55,6 +56,9 @@ bench-slow-readers: bench-deps
 
 bench-slow-bodies: bench-deps
 	bench/run slow-bodies
+
+bench-tls-handshakes: bench-deps
+	bench/run tls-handshakes
 
 bench-scale: bench-deps
 	bench/run scale

@@ -7,7 +7,7 @@ bytes, with acceptors that use it by default."
   :license "BSD-2-Clause"
   :version "0.1.0"
   :depends-on ("hunchentoot" "usocket" "bordeaux-threads" "chunga" "trivial-gray-streams"
-               "cl-ppcre" "flexi-streams" (:feature :sbcl "sb-bsd-sockets"))
+               "cl-ppcre" "flexi-streams" "cl+ssl" "cffi" (:feature :sbcl "sb-bsd-sockets"))
   :pathname "src/"
   :serial t
   ;; In dependency order: each file uses only what the files before it define.
@@ -17,6 +17,7 @@ bytes, with acceptors that use it by default."
                                            (:file "sbcl-mop")))
                (:file "hunchentoot-internals")
                (:file "chunga-internals")
+               (:file "cl-plus-ssl-internals")
                (:file "conditions")
                (:file "acceptor")
                (:file "engine/protocol")
@@ -35,6 +36,7 @@ bytes, with acceptors that use it by default."
                                               (:file "request-object")
                                               (:file "request-cycle")
                                               (:file "reply")
+                                              (:file "tls-handshake")
                                               (:file "readiness-engine")
                                               (:file "saturated-pool")
                                               (:file "readiness-protocol")))
@@ -68,6 +70,7 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (:file "extension-points")
                (:file "stop")
                (:file "slow-clients")
+               (:file "tls-handshakes")
                (:file "descriptor-limit"))
   :perform (test-op (o c)
              (unless (symbol-call :hunchentoot-recycling-taskmaster-test :run-tests)

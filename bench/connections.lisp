@@ -198,11 +198,11 @@ or took over 10 s."
             (ignore-errors (usocket:socket-close socket))))
       (error () nil))))
 
-(defun measure-separate-client (port stop-flag)
-  "Time a GET every 20 ms until (CAR STOP-FLAG) is true: the list of
-milliseconds, NIL for each failure."
+(defun measure-separate-client (port stop-flag &optional (timed-get #'timed-get))
+  "Time a GET every 20 ms, with TIMED-GET, until (CAR STOP-FLAG) is true: the
+list of milliseconds, NIL for each failure."
   (loop until (car stop-flag)
-        collect (timed-get port)
+        collect (funcall timed-get port)
         do (sleep 0.02)))
 
 (defun sample-pool (port stop-flag)

@@ -10,6 +10,7 @@
   (:use #:cl)
   (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster))
   (:export #:serve #:run-benchmarks #:run-connection-load #:run-slow-readers-load #:run-slow-bodies-load
+           #:run-tls-handshakes-load
            #:run-profile #:run-scale))
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
@@ -129,13 +130,17 @@ Hunchentoot's folder dispatcher, ours, or AllegroServe's directory."
                      ht:*dispatch-table*))
     (:aserve (net.aserve:publish-directory :prefix "/static/" :destination folder))))
 
-(defun serve (kind port &key (delay-ms 0) reuse-port static-folder)
+(defun serve (kind port &key (delay-ms 0) reuse-port static-folder ssl-port ssl-certificate ssl-key)
   "Start the server KIND on 127.0.0.1:PORT (with SO_REUSEPORT when
 REUSE-PORT, ours only), serving STATIC-FOLDER under /static/ when given,
-and serve until killed."
+and serve until killed.  With SSL-PORT, ours also serves TLS there with the
+SSL-CERTIFICATE and SSL-KEY files, and /pool-stats describes that acceptor."
   (setf *handler-delay* (and (plusp delay-ms) (/ delay-ms 1000)))
   (when static-folder
     (serve-static-folder kind static-folder))
   (start-server kind port :reuse-port reuse-port)
+  (when ssl-port
+    (start-hunchentoot ssl-port 'hrt:parallel-easy-ssl-acceptor
+                       :ssl-certificate-file ssl-certificate :ssl-privatekey-file ssl-key))
   (bt:make-thread #'sample-thread-count-forever :name "bench thread-count sampler")
   (loop (sleep 3600)))

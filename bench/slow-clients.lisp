@@ -1,6 +1,6 @@
 ;;;; Clients that hold a connection by being slow, against one server:
 ;;;; bench/run slow-readers runs RUN-SLOW-READERS-LOAD, bench/run slow-bodies
-;;;; RUN-SLOW-BODIES-LOAD.
+;;;; RUN-SLOW-BODIES-LOAD, bench/run tls-handshakes RUN-TLS-HANDSHAKES-LOAD.
 ;;;;
 ;;;; :SLOW-READERS  CONNECTIONS clients, each asking GET /megabytes?n=MEGABYTES
 ;;;;                (1 MiB by default) once and reading 1 KiB a second for
@@ -12,7 +12,13 @@
 ;;;; :SLOW-BODIES   CONNECTIONS clients, each POSTing KILOBYTES KiB (100 by
 ;;;;                default) to /body-length at 1 KiB a second for SECONDS,
 ;;;;                then the rest as fast as the server takes it: every reply
-;;;;                must echo the body's length.
+;;;;                must echo the body's length.  With CHUNKED, the bodies are
+;;;;                sent chunked, 1 KiB a chunk.
+;;;;
+;;;; :TLS-HANDSHAKES  CONNECTIONS connections to an SSL acceptor that send
+;;;;                nothing and as many that send half a ClientHello, for
+;;;;                SECONDS, each one the server closes replaced at once:
+;;;;                every one must be closed at the header timeout.
 ;;;;
 ;;;; Meanwhile the separate client of bench/connections.lisp opens a
 ;;;; connection for one GET /yo every 20 ms.  Each slow client sets its
@@ -146,29 +152,52 @@ reported, read every second until (CAR STOP-FLAG) is true."
            (sleep 1)
         finally (return (list most-of-key most-busy))))
 
-(defun run-slow-clients-load (core sampled-key run-clients report)
+(defun launch-our-server (port core &key ssl-port certificate key)
+  "Start our server in a process of its own on PORT and, when SSL-PORT is
+given, an SSL acceptor on SSL-PORT with the CERTIFICATE and KEY files, whose
+statistics /pool-stats then reports; its process-info."
+  (uiop:launch-program
+   (list "sbcl" "--core" core "--noinform" "--non-interactive" "--disable-debugger"
+         "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve :parallel ~D ~
+                                 :ssl-port ~S :ssl-certificate ~S :ssl-key ~S)"
+                          port ssl-port certificate key))
+   :output "/dev/null" :error-output :output))
+
+(defun run-slow-clients-load (core sampled-key run-clients report &key ssl)
   "Start our server in its own process (from CORE); run the slow clients,
 (FUNCALL RUN-CLIENTS PORT), against it with the separate client of
 bench/connections.lisp and a sampler of the server's SAMPLED-KEY and busy
-threads.  Returns what REPORT returns, called with the clients, the
-separate client's timings, the sampled peaks, the server's final
-statistics and its peak RSS in MB."
+threads.  With SSL, the clients and the separate client go to an SSL
+acceptor of the same process, whose port RUN-CLIENTS gets.  Returns what
+REPORT returns, called with the clients, the separate client's timings,
+the sampled peaks, the server's final statistics and its peak RSS in MB."
   (let* ((port (free-port))
-         (process (launch-server '(:lisp :parallel) port 0 core "/dev/null")))
+         (ssl-port (and ssl (free-port)))
+         (certificate-directory (and ssl (make-bench-certificate)))
+         (process (if ssl
+                      (launch-our-server port core :ssl-port ssl-port
+                                                   :certificate (merge-pathnames "cert.pem" certificate-directory)
+                                                   :key (merge-pathnames "key.pem" certificate-directory))
+                      (launch-our-server port core)))
+         (load-port (or ssl-port port)))
     (unwind-protect
          (progn
            (unless (wait-until-serving port)
              (error "The server did not answer GET /yo within 30 s."))
            (let* ((stop-flag (list nil))
-                  (separate (bt:make-thread (lambda () (measure-separate-client port stop-flag))
+                  (separate (bt:make-thread (lambda ()
+                                              (measure-separate-client load-port stop-flag
+                                                                       (if ssl #'timed-tls-get #'timed-get)))
                                             :name "separate client"))
                   (sampler (bt:make-thread (lambda () (sample-pool-peaks port sampled-key stop-flag))
                                            :name "pool sampler"))
-                  (clients (unwind-protect (funcall run-clients port)
+                  (clients (unwind-protect (funcall run-clients load-port)
                              (setf (car stop-flag) t))))
              (funcall report clients (bt:join-thread separate) (bt:join-thread sampler)
                       (server-pool-statistics port) (peak-rss-megabytes (uiop:process-info-pid process)))))
-      (stop-server process))))
+      (stop-server process)
+      (when certificate-directory
+        (uiop:delete-directory-tree certificate-directory :validate t)))))
 
 (defun report-checks (slow-clients-description all-whole-p timings statistics)
   "Print the separate client's figures and the pass/FAIL lines: every slow
@@ -223,30 +252,52 @@ when every check holds."
   ;; connection first.
   (state :sending :type keyword)
   (due 0 :type fixnum)
-  ;; Octets of the body still to send.
-  (unsent 0 :type fixnum)
+  ;; How many octets of the body, as it goes on the wire (the load's
+  ;; WIRE-BODY), have been sent.
+  (sent 0 :type fixnum)
   (reply (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer t)))
 
-(defun open-slow-sender (port body-octets)
+(defun wire-body (body-octets chunked-p)
+  "A body of BODY-OCTETS octets as it goes on the wire: as it is, or, when
+CHUNKED-P, in chunks of a second's worth each, then the last chunk."
+  (let ((data (make-array +slow-send-octets+ :element-type '(unsigned-byte 8) :initial-element 97)))
+    (if (not chunked-p)
+        (make-array body-octets :element-type '(unsigned-byte 8) :initial-element 97)
+        (flet ((crlf-line (text) (octets-of (format nil "~A~C~C" text #\Return #\Linefeed))))
+          (apply #'concatenate '(simple-array (unsigned-byte 8) (*))
+                 (append (loop for start from 0 below body-octets by +slow-send-octets+
+                               for size = (min +slow-send-octets+ (- body-octets start))
+                               collect (crlf-line (format nil "~X" size))
+                               collect (subseq data 0 size)
+                               collect (crlf-line ""))
+                         (list (crlf-line "0") (crlf-line ""))))))))
+
+(defun open-slow-sender (port body-octets chunked-p)
   "A slow sender that has sent the head of a POST to /body-length declaring
-BODY-OCTETS; NIL when it could not connect."
+BODY-OCTETS, or a chunked body when CHUNKED-P; NIL when it could not
+connect."
   (handler-case
       (let* ((socket (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp))
              (fd (progn (sb-bsd-sockets:socket-connect socket #(127 0 0 1) port)
                         (sb-bsd-sockets:socket-file-descriptor socket))))
         (hrt::send-without-waiting
-         fd (octets-of (format nil "POST /body-length HTTP/1.1~C~CHost: 127.0.0.1~C~CContent-Type: application/octet-stream~C~CContent-Length: ~D~C~C~C~C"
-                               #\Return #\Linefeed #\Return #\Linefeed #\Return #\Linefeed body-octets
+         fd (octets-of (format nil "POST /body-length HTTP/1.1~C~CHost: 127.0.0.1~C~CContent-Type: application/octet-stream~C~C~A~C~C~C~C"
+                               #\Return #\Linefeed #\Return #\Linefeed #\Return #\Linefeed
+                               (if chunked-p
+                                   "Transfer-Encoding: chunked"
+                                   (format nil "Content-Length: ~D" body-octets))
                                #\Return #\Linefeed #\Return #\Linefeed)))
-        (make-slow-sender :socket socket :fd fd :unsent body-octets :due (seconds-from-now (random 1.0))))
+        (make-slow-sender :socket socket :fd fd :due (seconds-from-now (random 1.0))))
     (error () nil)))
 
-(defun send-some (sender filler limit)
-  "Send up to LIMIT more octets of SENDER's body from FILLER; true when some went."
-  (let ((count (hrt::send-octets (sender-fd sender) filler 0 (min limit (sender-unsent sender)))))
+(defun send-some (sender wire-body limit)
+  "Send up to LIMIT more octets of WIRE-BODY, SENDER's body; true when some went."
+  (let* ((start (sender-sent sender))
+         (count (hrt::send-octets (sender-fd sender) wire-body start
+                                  (min (length wire-body) (+ start limit)))))
     (cond ((eq count :would-block) nil)
           ((eq count :error) (setf (sender-state sender) :closed) nil)
-          (t (when (zerop (decf (sender-unsent sender) count))
+          (t (when (= (incf (sender-sent sender) count) (length wire-body))
                (setf (sender-state sender) :reading))
              (plusp count)))))
 
@@ -276,26 +327,26 @@ BODY-OCTETS; NIL when it could not connect."
          (eql 200 (reply-status reply))
          (parse-integer (map 'string #'code-char (subseq reply (+ head-end 4))) :junk-allowed t))))
 
-(defun run-slow-senders (port connection-count seconds kilobytes)
+(defun run-slow-senders (port connection-count seconds kilobytes chunked-p)
   "Open CONNECTION-COUNT slow senders (up to 100 a tick) with a body of
-KILOBYTES KiB each, send 1 KiB of each a second for SECONDS, then the rest
-and read the replies as fast as they go, for 120 s at most.  Returns the
-senders."
+KILOBYTES KiB each (chunked when CHUNKED-P), send 1 KiB of each a second
+for SECONDS, then the rest and read the replies as fast as they go, for
+120 s at most.  Returns the senders."
   (let ((senders (make-array connection-count :initial-element nil))
-        (filler (make-array 65536 :element-type '(unsigned-byte 8) :initial-element 97))
+        (wire-body (wire-body (* kilobytes 1024) chunked-p))
         (buffer (make-array 4096 :element-type '(unsigned-byte 8))))
     (flet ((unfinished-p (sender) (and sender (member (sender-state sender) '(:sending :reading)))))
       (unwind-protect
            (progn
              (loop for index below connection-count
-                   do (setf (aref senders index) (open-slow-sender port (* kilobytes 1024)))
+                   do (setf (aref senders index) (open-slow-sender port (* kilobytes 1024) chunked-p))
                       (when (zerop (mod (1+ index) 100)) (sleep 0.01)))
              (loop with end = (seconds-from-now seconds)
                    until (>= (now) end)
                    do (loop for sender across senders
                             when (and (unfinished-p sender) (<= (sender-due sender) (now)))
                               do (if (eq (sender-state sender) :sending)
-                                     (send-some sender filler +slow-send-octets+)
+                                     (send-some sender wire-body +slow-send-octets+)
                                      (receive-some sender buffer))
                                  (setf (sender-due sender) (seconds-from-now 1)))
                       (sleep 0.01))
@@ -303,28 +354,28 @@ senders."
                    while (and (< (now) end) (some #'unfinished-p senders))
                    do (unless (loop for sender across senders
                                     count (case (and sender (sender-state sender))
-                                            (:sending (send-some sender filler (length filler)))
+                                            (:sending (send-some sender wire-body 65536))
                                             (:reading (receive-some sender buffer))))
                         (sleep 0.005))))
         (loop for sender across senders
               when sender do (ignore-errors (sb-bsd-sockets:socket-close (sender-socket sender))))))
     senders))
 
-(defun run-slow-bodies-load (&key (connections 1000) (seconds 60) (kilobytes 100) core)
-  "Run CONNECTIONS slow senders of KILOBYTES KiB bodies against our server
-with the separate client, print the findings and pass/FAIL lines.  True
-when every check holds."
+(defun run-slow-bodies-load (&key (connections 1000) (seconds 60) (kilobytes 100) chunked core)
+  "Run CONNECTIONS slow senders of KILOBYTES KiB bodies (chunked when
+CHUNKED) against our server with the separate client, print the findings
+and pass/FAIL lines.  True when every check holds."
   (run-slow-clients-load
    core :arriving-bodies
-   (lambda (port) (run-slow-senders port connections seconds kilobytes))
+   (lambda (port) (run-slow-senders port connections seconds kilobytes chunked))
    (lambda (senders timings peaks statistics rss)
      (destructuring-bind (most-arriving most-busy) peaks
        (let ((opened (count nil senders :test-not #'eq))
              (echoed (count-if (lambda (sender) (and sender (eql (* kilobytes 1024) (echoed-length sender))))
                                senders))
              (cut (count-if (lambda (sender) (and sender (eq (sender-state sender) :closed))) senders)))
-         (format t "~&~D slow senders, each POSTing ~D KiB at 1 KiB a second for ~D s, then the rest~%"
-                 connections kilobytes seconds)
+         (format t "~&~D slow senders, each POSTing ~D KiB~:[~; chunked~] at 1 KiB a second for ~D s, then the rest~%"
+                 connections kilobytes chunked seconds)
          (format t "slow senders: ~D connected, ~D bodies echoed whole, ~D cut by the server, ~D unfinished~%"
                  opened echoed cut (- opened echoed cut))
          (format t "server: peak ~D worker threads, at most ~D busy, up to ~D bodies arriving at once, ~D body timeouts, peak RSS ~D MB~%"
@@ -332,3 +383,128 @@ when every check holds."
                  (getf statistics :body-timeout-replies) rss)
          (report-checks "every slow body arrived and its length was echoed" (= echoed connections)
                         timings statistics))))))
+
+;;; Stalled TLS handshakes.
+
+(defparameter *half-client-hello* (coerce #(22 3 1 0 200 1 0 0 196 3 3) '(simple-array (unsigned-byte 8) (*)))
+  "A TLS record header announcing a 200-octet ClientHello, and its first
+octets: the server's handshake waits for the rest.")
+
+(defun make-bench-certificate ()
+  "A new directory holding cert.pem and key.pem for 127.0.0.1."
+  (let ((directory (uiop:ensure-directory-pathname
+                    (string-right-trim '(#\Newline) (uiop:run-program '("mktemp" "-d") :output :string)))))
+    (uiop:run-program (list "openssl" "req" "-x509" "-newkey" "rsa:2048" "-nodes"
+                            "-keyout" (namestring (merge-pathnames "key.pem" directory))
+                            "-out" (namestring (merge-pathnames "cert.pem" directory))
+                            "-days" "2" "-subj" "/CN=127.0.0.1")
+                      :output nil :error-output nil)
+    directory))
+
+(defun timed-tls-get (port)
+  "Milliseconds one GET /yo over TLS on a new connection took, or NIL (and
+a line on *ERROR-OUTPUT* saying why) if it failed or took over 10 s."
+  (let ((start (precise-milliseconds)))
+    (flet ((failed (reason)
+             (format *error-output* "~&separate TLS client: ~A~%" reason)
+             nil))
+      (handler-case
+          ;; cl+ssl waits for its non-blocking socket in SBCL's
+          ;; WAIT-UNTIL-FD-USABLE, which a deadline ends: nothing is
+          ;; interrupted inside OpenSSL.
+          (sb-sys:with-deadline (:seconds 10)
+            (let ((socket (usocket:socket-connect "127.0.0.1" port :element-type '(unsigned-byte 8) :timeout 10)))
+              (unwind-protect
+                   (let ((stream (cl+ssl:make-ssl-client-stream (usocket:socket-stream socket) :verify nil))
+                         (buffer (make-array 4096 :element-type '(unsigned-byte 8)))
+                         (fill 0))
+                     (write-sequence *yo-request* stream)
+                     (finish-output stream)
+                     (loop (let ((byte (read-byte stream nil)))
+                             (unless byte
+                               (return (failed (format nil "closed after ~D octets of the reply" fill))))
+                             (setf (aref buffer fill) byte)
+                             (incf fill)
+                             (when (reply-length buffer fill)
+                               (return (if (eql 200 (reply-status buffer))
+                                           (- (precise-milliseconds) start)
+                                           (failed (format nil "status ~D" (reply-status buffer)))))))))
+                (usocket:socket-close socket))))
+        (serious-condition (condition) (failed condition))))))
+
+(defstruct (stalled-handshake (:conc-name stalled-))
+  (socket nil)
+  (half-hello-p nil)
+  (opened 0 :type fixnum))
+
+(defun open-stalled-handshake (port epoll-fd index half-hello-p)
+  "A connection to PORT that sends nothing, or half a ClientHello when
+HALF-HELLO-P, watched in EPOLL-FD as INDEX; NIL when it could not connect."
+  (handler-case
+      (let* ((socket (make-instance 'sb-bsd-sockets:inet-socket :type :stream :protocol :tcp))
+             (fd (progn (sb-bsd-sockets:socket-connect socket #(127 0 0 1) port)
+                        (sb-bsd-sockets:socket-file-descriptor socket))))
+        (when half-hello-p
+          (hrt::send-without-waiting fd *half-client-hello*))
+        (hrt::epoll-watch epoll-fd fd index)
+        (make-stalled-handshake :socket socket :half-hello-p half-hello-p :opened (now)))
+    (error () nil)))
+
+(defun run-stalled-handshakes (port count seconds)
+  "Hold COUNT connections to PORT that send nothing and COUNT that send half
+a ClientHello for SECONDS, replacing each the server closes.  Returns the
+connections opened, the seconds each closed one lived, and the number of
+connections that could not be opened."
+  (let ((epoll-fd (hrt::make-epoll-set))
+        (handshakes (make-array (* 2 count) :initial-element nil))
+        (opened 0)
+        (failed 0)
+        (lifetimes '()))
+    (flet ((open-at (index)
+             (let ((handshake (open-stalled-handshake port epoll-fd index (>= index count))))
+               (if handshake (incf opened) (incf failed))
+               (setf (aref handshakes index) handshake))))
+      (unwind-protect
+           (progn
+             (dotimes (index (length handshakes))
+               (open-at index)
+               (when (zerop (mod (1+ index) 100)) (sleep 0.01)))
+             (loop with end = (seconds-from-now seconds)
+                   while (< (now) end)
+                   do (let ((token (hrt::epoll-wait-one epoll-fd 100)))
+                        (when (integerp token)
+                          (let ((handshake (aref handshakes token)))
+                            (when handshake
+                              (push (elapsed-seconds (stalled-opened handshake)) lifetimes)
+                              (ignore-errors (sb-bsd-sockets:socket-close (stalled-socket handshake))))
+                            (open-at token))))))
+        (loop for handshake across handshakes
+              when handshake do (ignore-errors (sb-bsd-sockets:socket-close (stalled-socket handshake))))
+        (hrt::close-fd epoll-fd)))
+    (values opened lifetimes failed)))
+
+(defun run-tls-handshakes-load (&key (connections 1000) (seconds 60) core)
+  "Run CONNECTIONS silent and CONNECTIONS half-ClientHello connections against
+our SSL acceptor (header timeout 10 s) with a separate client over TLS,
+print the findings and pass/FAIL lines.  True when every check holds."
+  (run-slow-clients-load
+   core :tls-handshakes
+   (lambda (port) (multiple-value-list (run-stalled-handshakes port connections seconds)))
+   (lambda (results timings peaks statistics rss)
+     (destructuring-bind (opened lifetimes failed) results
+       (destructuring-bind (most-handshakes most-busy) peaks
+         (let* ((sorted (sort (copy-list lifetimes) #'<))
+                (early (count-if (lambda (lifetime) (< lifetime 9.5)) sorted))
+                (late (count-if (lambda (lifetime) (> lifetime 11.5)) sorted)))
+           (format t "~&~D connections to the SSL acceptor sending nothing and ~D half a ClientHello, for ~D s, each closed one replaced~%"
+                   connections connections seconds)
+           (format t "stalled handshakes: ~D opened, ~D could not connect, ~D closed by the server after ~,1F to ~,1F s (p50 ~,1F s), ~D before 9.5 s, ~D after 11.5 s~%"
+                   opened failed (length sorted) (if sorted (first sorted) 0) (if sorted (car (last sorted)) 0)
+                   (percentile sorted 0.5) early late)
+           (format t "server: peak ~D worker threads, at most ~D busy, up to ~D handshakes waiting at once, ~D handshake timeouts, peak RSS ~D MB~%"
+                   (getf statistics :peak-threads) most-busy most-handshakes
+                   (getf statistics :handshake-timeouts) rss)
+           (report-checks "every stalled handshake closed at the header timeout (10 s), none refused"
+                          (and sorted (zerop early) (zerop late) (zerop failed))
+                          timings statistics)))))
+   :ssl t))

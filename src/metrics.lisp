@@ -14,6 +14,7 @@
     (:unsent-replies "unsent_replies" gauge
      "Connections whose reply the socket has not taken whole, waiting for the client to read.")
     (:arriving-bodies "arriving_bodies" gauge "Requests whose body the engine is reading, before dispatch.")
+    (:tls-handshakes "tls_handshakes" gauge "Connections whose TLS handshake the engine is taking.")
     (:requests-served "requests_served_total" counter "Requests answered through a handler.")
     (:threads-created "threads_created_total" counter "Worker threads made.")
     (:threads-retired "threads_retired_total" counter "Worker threads ended as surplus.")
@@ -25,7 +26,9 @@
     (:write-timeouts "write_timeouts_total" counter
      "Connections closed because their client took none of its reply for the write timeout.")
     (:body-timeout-replies "body_timeout_replies_total" counter
-     "Requests answered 408 because their body stalled for the read timeout."))
+     "Requests answered 408 because their body stalled for the read timeout.")
+    (:handshake-timeouts "handshake_timeouts_total" counter
+     "Connections closed because their TLS handshake was not done within the header timeout."))
   "Each scalar key of TASKMASTER-STATISTICS: its metric name (after the
 prefix), its type and its help text.")
 

@@ -368,3 +368,109 @@ a new empty directory VAR; remove it afterwards."
         (is (= 1 (stats server :body-not-stored-replies)))
         (is (zerop (stats server :arriving-bodies)))
         (is (eql 200 (http-get server "/test/yo")) "and the server goes on serving")))))
+
+;;; Chunked bodies read by the engine.
+
+(defun chunk (text)
+  "TEXT as one chunk of a chunked body."
+  (crlf-lines (format nil "~X" (length text)) text))
+
+(defun send-chunked-head (server path first-octets &rest headers)
+  "A connection to SERVER on which a chunked POST head to PATH has been sent,
+with FIRST-OCTETS of its body."
+  (let ((socket (connect server)))
+    (send-text socket (concatenate 'string (apply #'chunked-post path "" headers) first-octets))
+    socket))
+
+(defmacro with-chunked-post ((var server path first-octets) &body body)
+  "Run BODY with VAR a connection to SERVER on which a chunked POST head to
+PATH and FIRST-OCTETS of its body have been sent; close it afterwards."
+  `(let ((,var (send-chunked-head ,server ,path ,first-octets)))
+     (unwind-protect (progn ,@body)
+       (ignore-errors (usocket:socket-close ,var)))))
+
+(test bodies.chunked-bodies-arriving-hold-no-worker
+  (with-thread-leak-check ()
+    (with-server (server (pooled-server :standby-thread-count 1 :max-thread-count 2))
+      (let ((sockets (loop repeat 6 collect (send-chunked-head server "/test/body" (chunk (octets-text 1000 #\a))))))
+        (unwind-protect
+             (progn
+               (is (wait-until (lambda () (= 6 (stats server :arriving-bodies))))
+                   "six chunked bodies arrive, read by the engine: ~D" (stats server :arriving-bodies))
+               (is (zerop (stats server :in-request-threads)) "none dispatched before its last chunk")
+               (is (eql 200 (http-get server "/test/yo"))
+                   "another client is served while six send their bodies, with two workers at most")
+               (is (<= (stats server :threads) 2))
+               (dolist (socket sockets)
+                 ;; The next request comes in the same write as the body's end.
+                 (send-text socket (concatenate 'string (chunk (octets-text 2000 #\b)) (crlf-lines "0" "")
+                                                (get-request "/test/yo"))))
+               (dolist (socket sockets)
+                 (is (equal "3000 293000" (nth-value 1 (read-response socket)))
+                     "each handler reads its whole body, decoded")
+                 (is (eql 200 (read-response socket)) "the request after the body is answered"))
+               (is (zerop (stats server :arriving-bodies))))
+          (mapc #'usocket:socket-close sockets))))))
+
+(test bodies.chunked-body-taken-octet-by-octet
+  ;; Every state of the framing is left and resumed between two reads.
+  (with-readiness-server (server)
+    (with-connection (socket server)
+      (let ((body (crlf-lines "3;name=value" "abc" "2" "de" "0" "Content-Type: x" "X-Made-Up-Trailer: y" "")))
+        (send-text socket (chunked-post "/test/trailers" ""))
+        (is (wait-until (lambda () (= 1 (stats server :arriving-bodies)))))
+        (loop for character across body
+              do (send-text socket (string character))
+                 (sleep 0.002))
+        (multiple-value-bind (status reply) (read-response socket)
+          (is (eql 200 status))
+          (is (equal "abcde|CONTENT-TYPE=x" reply) "the same body and trailers as in one piece: ~S" reply))
+        (send-text socket (get-request "/test/yo"))
+        (is (eql 200 (read-response socket)) "and the connection is kept alive")))))
+
+(test bodies.chunked-bodies-arriving-refused
+  (with-readiness-server (server :max-body-bytes 1000 :body-buffer-bytes 1000)
+    (loop for (description status rest) in
+          `(("a chunk size of 16 digits" 400 ,(crlf-lines "1000000000000000" "abc"))
+            ("a size followed by garbage" 400 ,(crlf-lines "3x" "abc" "0" ""))
+            ("chunk data longer than its size" 400 ,(crlf-lines "3" "abcd" "0" ""))
+            ("a bare LF after the size" 400 ,(format nil "3~Cabc" #\Linefeed))
+            ("a chunk-size line of 5,000 octets" 400 ,(crlf-lines (format nil "3;~A" (octets-text 5000 #\x))))
+            ("a trailer of 1 MB" 400 ,(crlf-lines "0" (format nil "X-T: ~A" (octets-text 1000000 #\t)) ""))
+            ("chunks adding up to more than the limit" 413 ,(chunk (octets-text 600 #\a))))
+          do (with-chunked-post (socket server "/test/body" (chunk (octets-text 500 #\a)))
+               (is (wait-until (lambda () (= 1 (stats server :arriving-bodies)))))
+               (ignore-errors (send-text socket rest))
+               (is (eql status (read-response socket)) "~A: expected ~D" description status)
+               (is-true (closed-by-server-p socket) "~A: the connection is closed" description)
+               (is (wait-until (lambda () (zerop (stats server :arriving-bodies)))))))
+    (is (= 6 (stats server :bad-request-replies)))
+    (is (= 1 (stats server :content-too-large-replies)))
+    (is (eql 200 (http-get server "/test/yo")))))
+
+(test bodies.chunked-body-beyond-the-buffer-goes-to-a-file-removed-afterwards
+  (with-temporary-body-directory (directory)
+    (with-readiness-server (server :body-buffer-bytes 1000)
+      (with-chunked-post (socket server "/test/body" (chunk (octets-text 500 #\a)))
+        (is (wait-until (lambda () (= 1 (stats server :arriving-bodies)))))
+        (send-text socket (chunk (octets-text 2000 #\b)))
+        (is (wait-until (lambda () (= 1 (length (body-files directory))))) "the body goes on in a file")
+        (send-text socket (concatenate 'string (chunk (octets-text 2500 #\c)) (crlf-lines "0" "")))
+        (is (equal "5000 492000" (nth-value 1 (read-response socket))) "decoded from the file")
+        (is (wait-until (lambda () (null (body-files directory)))) "the file is removed after the request")))))
+
+(test bodies.chunked-body-that-stalls-is-408-at-the-read-timeout
+  (with-readiness-server (server :read-timeout 1 :write-timeout 1)
+    (with-chunked-post (socket server "/test/body" (chunk "abc"))
+      (is (wait-until (lambda () (= 1 (stats server :arriving-bodies)))))
+      (is (eql 408 (read-response socket)))
+      (is-true (closed-by-server-p socket))
+      (is (= 1 (stats server :body-timeout-replies))))))
+
+(test bodies.chunked-body-gets-its-100-continue-when-reading-starts
+  (with-readiness-server (server)
+    (with-connection (socket server)
+      (send-text socket (chunked-post "/test/body" "" "Expect: 100-continue"))
+      (is (eql 100 (read-response socket)) "a chunked body within the limit gets its 100 Continue")
+      (send-text socket (concatenate 'string (chunk "abc") (crlf-lines "0" "")))
+      (is (equal "3 294" (nth-value 1 (read-response socket)))))))

@@ -1,7 +1,7 @@
 ;;;; `make test`: run every test, exit 0 only when none failed.
 ;;;; SUITE in the environment names one suite (http, pool, overload,
 ;;;; request-head, readiness, saturation, bodies, replies, listening, metrics, garbage-input,
-;;;; extension-points, stop, slow-clients, descriptor-limit).
+;;;; extension-points, stop, slow-clients, tls-handshakes, descriptor-limit).
 
 (load (merge-pathnames "../tools/setup.lisp" *load-truename*))
 (asdf:load-system "hunchentoot-recycling-taskmaster/test")

@@ -4,8 +4,8 @@
 ;;;; connection inside HUNCHENTOOT:PROCESS-CONNECTION: it answers every
 ;;;; complete request head that has arrived and parks the connection again
 ;;;; -- with the bytes of a partial head, if any -- as soon as the socket has
-;;;; nothing more.  A thread is held only while a head is parsed, a TLS
-;;;; handshake done or a request answered.
+;;;; nothing more.  A thread is held only while a head is parsed, a step of
+;;;; a TLS handshake taken or a request answered.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -22,6 +22,9 @@ acceptor is stopped.")
              :documentation "What the readiness sets of every run have counted.")
    (object-constructors :initform nil :accessor engine-object-constructors
                         :documentation "The OBJECT-CONSTRUCTORS of the current run.")
+   (tls-context :initform nil :accessor engine-tls-context
+                :documentation "The TLS context (tls-handshake.lisp) of the
+current run when the engine takes the acceptor's TLS handshakes, else NIL.")
    (sweep-buffer :initform nil :accessor engine-sweep-buffer
                  :documentation "Where the thread-making thread peeks at what has
 arrived on parked connections while no worker is free (saturated-pool.lisp)."))
@@ -99,21 +102,36 @@ accept events off for a moment, and log it (quiet while stopping)."
         connection))))
 
 (defun start-connection-stream (engine connection)
-  "Read the new CONNECTION's addresses and start its stream: the TLS
-handshake on an SSL acceptor, bounded by the read timeout and cut by STOP.
-True when CONNECTION can be served; false when the client has gone, the
-handshake failed or the pool is stopping."
-  (let ((addresses (ignore-errors (connection-addresses-of (connection-fd connection)))))
+  "Read the new CONNECTION's addresses and start its stream.  On an SSL
+acceptor that is the TLS handshake: taken by the engine as far as the
+client's bytes allow (tls-handshake.lisp), or else inside
+HUNCHENTOOT:INITIALIZE-CONNECTION-STREAM, waited for by the worker, bounded
+by the read timeout and cut by STOP.  Returns T when CONNECTION can be
+served; :INPUT or :OUTPUT when its handshake waits for the socket to be
+readable or writable; NIL when the client has gone, the handshake failed or
+the pool is stopping."
+  (let ((addresses (or (connection-addresses connection)
+                       (ignore-errors (connection-addresses-of (connection-fd connection))))))
     (when (and addresses (not (stopping-p engine)))
-      (let ((stream (ignore-errors
-                     (hunchentoot:initialize-connection-stream (engine-acceptor engine)
-                                                               (connection-fd-stream connection)))))
-        (when stream
-          (setf (connection-addresses connection) addresses
-                (connection-stream connection) stream
-                (connection-socket connection) (make-connection-socket
-                                                connection (connection-fd-stream connection)))
-          t)))))
+      (when (and (null (connection-addresses connection))
+                 (typep (engine-acceptor engine) 'hunchentoot:ssl-acceptor))
+        ;; TLS writes a reply as several records; Nagle's algorithm would
+        ;; hold the last one until the client's delayed acknowledgement of
+        ;; the first, 40 ms later.
+        (send-small-writes-at-once (connection-fd connection)))
+      (setf (connection-addresses connection) addresses)
+      (let* ((context (engine-tls-context engine))
+             (stream (if context
+                         (continue-connection-handshake (engine-readiness-set engine) context connection)
+                         (ignore-errors
+                          (hunchentoot:initialize-connection-stream (engine-acceptor engine)
+                                                                    (connection-fd-stream connection))))))
+        (cond ((streamp stream)
+               (setf (connection-stream connection) stream
+                     (connection-socket connection) (make-connection-socket
+                                                     connection (connection-fd-stream connection)))
+               t)
+              (t stream))))))
 
 ;;; Serving a connection the worker holds.
 
@@ -122,9 +140,16 @@ handshake failed or the pool is stopping."
 HUNCHENTOOT:PROCESS-CONNECTION.  Whatever way that ends, the connection is
 parked, closed or let go afterwards."
   (hold-connection worker connection)
+  (unless (plain-connection-p connection)
+    (forget-tls-errors))
   (unwind-protect
-       (when (or (connection-socket connection) (start-connection-stream engine connection))
-         (hunchentoot:process-connection (engine-acceptor engine) (connection-socket connection)))
+       (let ((started (or (connection-socket connection) (start-connection-stream engine connection))))
+         (case started
+           ((:input :output)
+            (when (let-go-of-connection worker)
+              (park-during-handshake engine set connection started)))
+           ((nil))
+           (t (hunchentoot:process-connection (engine-acceptor engine) (connection-socket connection)))))
     ;; Still held: PROCESS-CONNECTION was left by an error, or an :AROUND
     ;; method did not call the next method.
     (when (let-go-of-connection worker)
@@ -175,12 +200,31 @@ in the buffer, whose head ends at HEAD-END and octets at END."
   (let ((content-length (cdr (assoc :content-length headers))))
     (and content-length (> (parse-integer content-length) (- end head-end)))))
 
+(defun arriving-chunk-framing (headers buffer head-end end max-body-bytes)
+  "When HEADERS declare a chunked body whose end is not among the octets of
+BUFFER from HEAD-END below END, the CHUNK-FRAMING that has followed them;
+else NIL (the whole body is there, or its framing is refused, which the
+decoder then finds too)."
+  (when (assoc :transfer-encoding headers)
+    (let ((framing (make-chunk-framing max-body-bytes)))
+      (when (eq (scan-chunk-framing framing buffer head-end end) :incomplete)
+        framing))))
+
+(defun start-reading-body (engine connection head length framing buffer head-end end)
+  "Make the body of HEAD (LENGTH octets, or chunked as FRAMING follows) that
+has begun to arrive in BUFFER from HEAD-END below END CONNECTION's
+ARRIVING-BODY, after a 100 Continue if its client waits for one."
+  (when (expects-continue-p (request-head-headers head))
+    (write-sequence *continue-reply* (connection-stream connection))
+    (force-output (connection-stream connection)))
+  (start-arriving-body (engine-readiness-set engine) connection head length framing buffer head-end end))
+
 (defun answer-buffered-request (engine worker connection request-start request-line-end head-end end)
   "Answer the request whose head is in WORKER's buffer, or begin reading its
 body.  Returns :KEEP-ALIVE and the end of the next request's octets (moved
-to the start of the buffer); :BODY-STARTED, when its Content-Length body
-has not all arrived and has become CONNECTION's ARRIVING-BODY (the buffer
-is then empty); :CLOSE; :LET-GO (a handler took the connection over); or
+to the start of the buffer); :BODY-STARTED, when its body has not all
+arrived and has become CONNECTION's ARRIVING-BODY (the buffer is then
+empty); :CLOSE; :LET-GO (a handler took the connection over); or
 :REFUSE and the status the head is refused with.  The buffer is not an
 argument of this frame, which a handler's backtrace shows: it holds other
 clients' octets."
@@ -189,7 +233,8 @@ clients' octets."
                  (request-head-refused (condition)
                    (return-from answer-buffered-request (values :refuse (refused-status condition))))))
          (headers (request-head-headers head))
-         (acceptor (engine-acceptor engine)))
+         (acceptor (engine-acceptor engine))
+         (framing nil))
     (cond ((and (assoc :transfer-encoding headers)
                 (not (hunchentoot:acceptor-input-chunking-p acceptor)))
            ;; This acceptor takes no chunked body: RFC 9112 6.3 says 411.
@@ -198,11 +243,11 @@ clients' octets."
            ;; Refused before a 100 Continue, so the client need not send it.
            (values :refuse 413))
           ((body-still-arriving-p headers head-end end)
-           (when (expects-continue-p headers)
-             (write-sequence *continue-reply* (connection-stream connection))
-             (force-output (connection-stream connection)))
-           (start-arriving-body (engine-readiness-set engine) connection head
-                                (parse-integer (cdr (assoc :content-length headers))) buffer head-end end)
+           (start-reading-body engine connection head (parse-integer (cdr (assoc :content-length headers))) nil
+                               buffer head-end end)
+           :body-started)
+          ((setf framing (arriving-chunk-framing headers buffer head-end end (acceptor-max-body-bytes acceptor)))
+           (start-reading-body engine connection head nil framing buffer head-end end)
            :body-started)
           (t
            (let ((stream (connection-stream connection))
@@ -223,25 +268,42 @@ clients' octets."
 (defun answer-arrived-body (engine worker connection)
   "Read what has arrived of CONNECTION's ARRIVING-BODY; once it is whole,
 answer its request.  Returns :READ-BODY when more is to come; :CLOSE when
-the client left; :REFUSE and 500 when the body could not be stored; else what ANSWER-PARSED-REQUEST returns, with 0 as the end
-of the next request's octets (none were read)."
+the client left; :REFUSE and a status when the body could not be stored
+(500) or its chunked framing is refused (400, 413); else what
+ANSWER-PARSED-REQUEST returns, with the end of the next request's octets,
+moved to the start of WORKER's buffer (read past a chunked body's end)."
   (let* ((set (engine-readiness-set engine))
          (acceptor (engine-acceptor engine))
          (body (connection-arriving-body connection)))
-    (ecase (handler-case (receive-body-octets connection body (worker-buffer worker)
-                                              (acceptor-body-buffer-bytes acceptor))
-             (request-body-not-stored (condition)
-               (log-safely acceptor :error "~A" condition)
-               (return-from answer-arrived-body (values :refuse 500))))
-      (:would-block :read-body)
-      (:closed :close)
-      (:whole
-       (multiple-value-bind (outcome status)
-           (unwind-protect
-                (answer-parsed-request engine worker connection (arriving-body-head body)
-                                       (arrived-body-stream body) nil nil)
-             (discard-arriving-body set connection))
-         (if (eq outcome :keep-alive) (values :keep-alive 0) (values outcome status)))))))
+    (multiple-value-bind (state detail)
+        (handler-case (receive-body-octets connection body (worker-buffer worker)
+                                           (acceptor-body-buffer-bytes acceptor))
+          (request-body-not-stored (condition)
+            (log-safely acceptor :error "~A" condition)
+            (return-from answer-arrived-body (values :refuse 500))))
+      (ecase state
+        (:would-block :read-body)
+        (:closed :close)
+        (:refuse (values :refuse detail))
+        (:whole
+         (let ((chunked-p (and (arriving-body-framing body) t))
+               (next-octets (or detail #())))
+           (multiple-value-bind (outcome status)
+               (unwind-protect
+                    (answer-parsed-request engine worker connection (arriving-body-head body)
+                                           (if chunked-p
+                                               ;; The reply goes through it too.
+                                               (make-chunked-body-stream
+                                                (make-two-way-stream (arrived-body-stream body)
+                                                                     (connection-stream connection))
+                                                (acceptor-max-body-bytes acceptor))
+                                               (arrived-body-stream body))
+                                           chunked-p nil)
+                 (discard-arriving-body set connection))
+             (if (eq outcome :keep-alive)
+                 (progn (replace (worker-buffer worker) next-octets)
+                        (values :keep-alive (length next-octets)))
+                 (values outcome status)))))))))
 
 (defun answer-arrived-requests (engine worker connection)
   "Send the rest of CONNECTION's last reply, then answer every request it

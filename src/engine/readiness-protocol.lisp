@@ -10,6 +10,9 @@ pipelined requests."
 
 (defmethod engine-start ((engine readiness-engine))
   (let ((acceptor (engine-acceptor engine)))
+    ;; First, as it is what may fail (a file that does not load): nothing
+    ;; else has been made yet.
+    (setf (engine-tls-context engine) (make-acceptor-tls-context acceptor))
     (setf (engine-readiness-set engine)
           (make-readiness-set (acceptor-listen-socket acceptor) (engine-counters engine)
                               :header-timeout (acceptor-header-timeout acceptor)
@@ -77,13 +80,21 @@ pipelined requests."
 (defmethod engine-statistics ((engine readiness-engine))
   (readiness-statistics (engine-readiness-set engine) (engine-counters engine)))
 
+(defun free-engine-tls-context (engine)
+  ;; OpenSSL counts the connections still using it.
+  (let ((context (shiftf (engine-tls-context engine) nil)))
+    (when context
+      (free-tls-context context))))
+
 (defmethod engine-finish ((engine readiness-engine))
   (let ((set (shiftf (engine-readiness-set engine) nil)))
     (close-parked-connections set)
-    (destroy-readiness-set set)))
+    (destroy-readiness-set set))
+  (free-engine-tls-context engine))
 
 (defmethod engine-abandon ((engine readiness-engine))
   (let ((set (shiftf (engine-readiness-set engine) nil)))
     (when set
       (close-every-connection set)
-      (destroy-readiness-set set))))
+      (destroy-readiness-set set)))
+  (free-engine-tls-context engine))

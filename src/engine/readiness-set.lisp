@@ -43,6 +43,9 @@
   (outgoing nil)
   ;; The ARRIVING-BODY of a request whose body the engine is reading, or NIL.
   (arriving-body nil)
+  ;; The TLS stream whose handshake the engine is taking, before the
+  ;; connection has a STREAM; NIL otherwise (tls-handshake.lisp).
+  (handshake nil)
   ;; While it waits for output: the octets its client had not acknowledged
   ;; when it was last parked or looked at, or NIL.
   (unacknowledged nil)
@@ -92,6 +95,9 @@ keeps it from run to run; each run's set counts into it."
   (write-timeouts 0 :type word)
   ;; Requests answered 408 because their body stalled for the read timeout.
   (body-timeouts 0 :type word)
+  ;; Connections closed because their TLS handshake was not done within
+  ;; the header timeout.
+  (handshake-timeouts 0 :type word)
   ;; Per status of *HEAD-REFUSALS*, the heads refused with it.
   (refused-heads (make-array (length *head-refusals*) :element-type 'word :initial-element 0)
    :type (simple-array word (*)) :read-only t)
@@ -154,6 +160,8 @@ keeps it from run to run; each run's set counts into it."
   (outgoing-count 0 :type word)
   ;; Connections whose request body is arriving, parked or being read.
   (arriving-body-count 0 :type word)
+  ;; Connections whose TLS handshake the engine is taking, parked or not.
+  (handshake-count 0 :type word)
   ;; The engine's CONNECTION-COUNTERS, which this set counts into.
   (counters nil :type connection-counters :read-only t))
 
@@ -366,10 +374,13 @@ client is gone already."
     (drop-outgoing set connection))
   (when (connection-arriving-body connection)
     (discard-arriving-body set connection))
+  (when (connection-handshake connection)
+    (end-connection-handshake set connection))
   (let ((stream (connection-stream connection))
         (fd-stream (connection-fd-stream connection)))
     (when (and stream (not (eq stream fd-stream)))
-      (ignore-errors (close stream :abort t)))
+      (ignore-errors (close stream :abort t))
+      (forget-tls-errors))
     (ignore-errors (close fd-stream :abort t))))
 
 (defun refuse-and-close (set connection status &key explanation)
@@ -419,7 +430,10 @@ TIMEOUT-STATUS, or close it without a word (a kept-alive connection that
 sent nothing, a client that took none of its reply)."
   (let ((status (connection-timeout-status connection))
         (counters (readiness-set-counters set)))
-    (cond ((connection-arriving-body connection)
+    (cond ((connection-handshake connection)
+           (atomic-increment (connection-counters-handshake-timeouts counters))
+           (close-connection set connection))
+          ((connection-arriving-body connection)
            (atomic-increment (connection-counters-body-timeouts counters))
            (count-reply counters 408)
            (refuse-and-close set connection 408 :explanation "The request body did not arrive in time."))
@@ -461,10 +475,12 @@ none runs) holds now, and what COUNTERS counted ever."
          :open-connections (if set (readiness-set-connection-count set) 0)
          :unsent-replies (if set (readiness-set-outgoing-count set) 0)
          :arriving-bodies (if set (readiness-set-arriving-body-count set) 0)
+         :tls-handshakes (if set (readiness-set-handshake-count set) 0)
          :connections-accepted (connection-counters-accepted counters)
          :keep-alive-timeouts (connection-counters-keep-alive-timeouts counters)
          :write-timeouts (connection-counters-write-timeouts counters)
          :body-timeout-replies (connection-counters-body-timeouts counters)
+         :handshake-timeouts (connection-counters-handshake-timeouts counters)
          :replies-by-class (loop for class from 1 to 5
                                  collect (cons class (aref (connection-counters-replies-by-class counters) class)))
          :request-duration-buckets (loop for bound across *duration-bucket-seconds*

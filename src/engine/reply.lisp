@@ -344,6 +344,9 @@ acceptor, Hunchentoot's own."
                      (when (eql (hunchentoot:return-code*) hunchentoot:+http-ok+)
                        (catching-handler-end
                          (hunchentoot:handle-request hunchentoot:*acceptor* request)))
+                   (when (hunchentoot:acceptor-ssl-p hunchentoot:*acceptor*)
+                     ;; The reply goes through OpenSSL.
+                     (forget-tls-errors))
                    (when error
                      (report-handler-error request error backtrace))
                    (unless (headers-sent-p)

@@ -74,9 +74,9 @@ free.  The rest of a reply is sent; for a request, a plain connection is
 looked at, and a TLS one cannot be without reading it, so that it has sent
 anything counts as a request waiting for a worker."
   (cond ((connection-outgoing connection) (send-rest-of-reply engine set connection))
-        ((connection-arriving-body connection)
-         ;; Its body is read by a worker, which parks it for no longer than
-         ;; the read timeout.
+        ((or (connection-arriving-body connection) (connection-handshake connection))
+         ;; Its body is read, or its handshake taken, by a worker, under the
+         ;; deadline it was parked with.
          (park-until engine set connection (connection-deadline connection)))
         ((eql (connection-timeout-status connection) 503)
          (park-until engine set connection (connection-deadline connection)))

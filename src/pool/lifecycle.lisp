@@ -44,18 +44,25 @@ that they all wait: under load some already serve.  POOL-LOCK held."
        (notany (lambda (worker) (eq (worker-state worker) :starting))
                (pool-workers taskmaster))))
 
+(defun stop-listening-after-failed-start (acceptor)
+  "START has already listened: leave the port free for a retry."
+  (ignore-errors (usocket:socket-close (acceptor-listen-socket acceptor)))
+  (setf (acceptor-listen-socket acceptor) nil))
+
 (defmethod hunchentoot:execute-acceptor ((taskmaster recycling-taskmaster))
   (let ((acceptor (hunchentoot:taskmaster-acceptor taskmaster)))
     (unless (typep acceptor 'parallel-acceptor)
-      ;; START has already listened; leave the port free for a retry.
-      (ignore-errors (usocket:socket-close (acceptor-listen-socket acceptor)))
-      (setf (acceptor-listen-socket acceptor) nil)
+      (stop-listening-after-failed-start acceptor)
       (error 'acceptor-not-parallel-error :acceptor acceptor))
     (when (pool-workers taskmaster)
       (signal-corrupted taskmaster (format nil "~D worker threads from an earlier run are still alive."
                                            (length (pool-workers taskmaster)))))
     (reset-pool taskmaster)
-    (engine-start (taskmaster-engine-for taskmaster acceptor))
+    ;; A certificate that does not load, say.
+    (handler-bind ((error (lambda (condition)
+                            (declare (ignore condition))
+                            (stop-listening-after-failed-start acceptor))))
+      (engine-start (taskmaster-engine-for taskmaster acceptor)))
     (start-thread-maker taskmaster)
     (with-pool-lock (taskmaster) (notify-thread-maker taskmaster))
     (unless (wait-for-pool taskmaster (lambda () (standby-threads-started-p taskmaster))

@@ -20,12 +20,15 @@ once the taskmaster has been started; the readiness engine's are
 for room to write), :OPEN-CONNECTIONS (parked or being served),
 :UNSENT-REPLIES (connections whose reply the socket has not taken whole,
 waiting for their client to read), :ARRIVING-BODIES (requests whose body
-the engine is reading, before dispatch), and the totals
+the engine is reading, before dispatch), :TLS-HANDSHAKES (connections
+whose TLS handshake the engine is taking), and the totals
 :CONNECTIONS-ACCEPTED, :KEEP-ALIVE-TIMEOUTS (kept-alive connections closed
 after KEEP-ALIVE-TIMEOUT idle seconds), :WRITE-TIMEOUTS (connections closed
 because their client took none of its reply for the acceptor's write
 timeout), :BODY-TIMEOUT-REPLIES (requests answered 408 because their body
-stalled for the read timeout), and one count per refused request
+stalled for the read timeout), :HANDSHAKE-TIMEOUTS (connections closed
+because their TLS handshake was not done within the header timeout), and
+one count per refused request
 head: :BAD-REQUEST-REPLIES (400: malformed, ambiguous framing, missing or invalid Host),
 :HEADER-TIMEOUT-REPLIES (408), :LENGTH-REQUIRED-REPLIES (411, a chunked
 body to an acceptor without input chunking), :CONTENT-TOO-LARGE-REPLIES

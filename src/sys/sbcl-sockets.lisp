@@ -41,6 +41,8 @@ __EPOLL_PACKED), naturally aligned elsewhere.")
 (defconstant +sol-socket+ 1)
 (defconstant +so-reuseport+ 15)
 (defconstant +so-acceptconn+ 30)
+(defconstant +ipproto-tcp+ 6)
+(defconstant +tcp-nodelay+ 1)
 
 (defun socket-file-descriptor (usocket)
   (sb-bsd-sockets:socket-file-descriptor (usocket:socket usocket)))
@@ -153,6 +155,10 @@ other: its number, or NIL when none could be opened."
             (sb-alien:extern-alien "setsockopt" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int
                                                           (* sb-alien:int) sb-alien:unsigned))
             fd level option (sb-alien:addr option-value) 4))))
+
+(defun send-small-writes-at-once (fd)
+  "Set TCP_NODELAY on the connected socket FD.  True when it took."
+  (set-integer-socket-option fd +ipproto-tcp+ +tcp-nodelay+ 1))
 
 (defun (setf socket-option) (value fd option)
   (unless (set-integer-socket-option fd +sol-socket+ option value)
@@ -362,6 +368,10 @@ finalizer: the readiness set closes every connection itself."
   (sb-sys:make-fd-stream fd :input t :output t :element-type '(unsigned-byte 8)
                             :buffering :full :timeout timeout :auto-close nil
                             :name "hunchentoot-recycling-taskmaster connection"))
+
+(defun fd-stream-class ()
+  "The class of the streams MAKE-CONNECTION-FD-STREAM makes."
+  (find-class 'sb-sys:fd-stream))
 
 (defun shut-down-fd-output (fd)
   "Send FIN on the connection FD while its input stays readable."
