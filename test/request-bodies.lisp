@@ -230,25 +230,38 @@ a new empty directory VAR; remove it afterwards."
          (setf ht:*tmp-directory* ,before)
          (uiop:delete-directory-tree ,var :validate t :if-does-not-exist :ignore)))))
 
+(defun check-arriving-bodies-hold-no-worker (server send-head send-rest &key request-after-body-p)
+  "Six clients start a POST to SERVER (at most two workers) with SEND-HEAD,
+which returns the connection it sent a head and the first 1,000 octets of
+a 3,000-octet body of #\\a and #\\b on; while they wait, another client is
+served; then SEND-REST sends each the rest, and each handler must read the
+whole body (and, when REQUEST-AFTER-BODY-P, answer the request SEND-REST
+sent after it)."
+  (let ((sockets (loop repeat 6 collect (funcall send-head))))
+    (unwind-protect
+         (progn
+           (is (wait-until (lambda () (= 6 (stats server :arriving-bodies))))
+               "six bodies arrive, read by the engine: ~D" (stats server :arriving-bodies))
+           (is (zerop (stats server :in-request-threads)) "none dispatched before its body is whole")
+           (is (eql 200 (http-get server "/test/yo"))
+               "another client is served while six send their bodies, with two workers at most")
+           (is (<= (stats server :threads) 2))
+           (mapc send-rest sockets)
+           (dolist (socket sockets)
+             (is (equal "3000 293000" (nth-value 1 (read-response socket)))
+                 "each handler reads its whole body")
+             (when request-after-body-p
+               (is (eql 200 (read-response socket)) "the request after the body is answered")))
+           (is (zerop (stats server :arriving-bodies))))
+      (mapc #'usocket:socket-close sockets))))
+
 (test bodies.arriving-bodies-hold-no-worker
   (with-thread-leak-check ()
     (with-server (server (pooled-server :standby-thread-count 1 :max-thread-count 2))
-      (let ((sockets (loop repeat 6 collect (send-body-head server "/test/body" 3000 (octets-text 1000 #\a)))))
-        (unwind-protect
-             (progn
-               (is (wait-until (lambda () (= 6 (stats server :arriving-bodies))))
-                   "six bodies arrive, read by the engine: ~D" (stats server :arriving-bodies))
-               (is (zerop (stats server :in-request-threads)) "none dispatched before its body is whole")
-               (is (eql 200 (http-get server "/test/yo"))
-                   "another client is served while six send their bodies, with two workers at most")
-               (is (<= (stats server :threads) 2))
-               (dolist (socket sockets)
-                 (send-text socket (octets-text 2000 #\b)))
-               (dolist (socket sockets)
-                 (is (equal "3000 293000" (nth-value 1 (read-response socket)))
-                     "each handler reads its whole body"))
-               (is (zerop (stats server :arriving-bodies))))
-          (mapc #'usocket:socket-close sockets))))))
+      (check-arriving-bodies-hold-no-worker
+       server
+       (lambda () (send-body-head server "/test/body" 3000 (octets-text 1000 #\a)))
+       (lambda (socket) (send-text socket (octets-text 2000 #\b)))))))
 
 (test bodies.a-declared-gigabyte-that-never-comes-is-408-at-the-read-timeout
   ;; No body limit, so that the head is not refused at once.
@@ -392,25 +405,14 @@ PATH and FIRST-OCTETS of its body have been sent; close it afterwards."
 (test bodies.chunked-bodies-arriving-hold-no-worker
   (with-thread-leak-check ()
     (with-server (server (pooled-server :standby-thread-count 1 :max-thread-count 2))
-      (let ((sockets (loop repeat 6 collect (send-chunked-head server "/test/body" (chunk (octets-text 1000 #\a))))))
-        (unwind-protect
-             (progn
-               (is (wait-until (lambda () (= 6 (stats server :arriving-bodies))))
-                   "six chunked bodies arrive, read by the engine: ~D" (stats server :arriving-bodies))
-               (is (zerop (stats server :in-request-threads)) "none dispatched before its last chunk")
-               (is (eql 200 (http-get server "/test/yo"))
-                   "another client is served while six send their bodies, with two workers at most")
-               (is (<= (stats server :threads) 2))
-               (dolist (socket sockets)
-                 ;; The next request comes in the same write as the body's end.
-                 (send-text socket (concatenate 'string (chunk (octets-text 2000 #\b)) (crlf-lines "0" "")
-                                                (get-request "/test/yo"))))
-               (dolist (socket sockets)
-                 (is (equal "3000 293000" (nth-value 1 (read-response socket)))
-                     "each handler reads its whole body, decoded")
-                 (is (eql 200 (read-response socket)) "the request after the body is answered"))
-               (is (zerop (stats server :arriving-bodies))))
-          (mapc #'usocket:socket-close sockets))))))
+      (check-arriving-bodies-hold-no-worker
+       server
+       (lambda () (send-chunked-head server "/test/body" (chunk (octets-text 1000 #\a))))
+       (lambda (socket)
+         ;; The next request comes in the same write as the body's end.
+         (send-text socket (concatenate 'string (chunk (octets-text 2000 #\b)) (crlf-lines "0" "")
+                                        (get-request "/test/yo"))))
+       :request-after-body-p t))))
 
 (test bodies.chunked-body-taken-octet-by-octet
   ;; Every state of the framing is left and resumed between two reads.
