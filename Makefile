@@ -10,13 +10,14 @@
 # Each target installs the Debian packages it needs first (make deps).
 
 PORT ?= 4242
+REV ?= HEAD~1
 SBCL = sbcl --noinform --non-interactive --disable-debugger
 LIBRARY_PACKAGES = sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-flexi-streams \
                    cl-chunga cl-ppcre cl-plus-ssl cl-cffi
 TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd
 BENCH_PACKAGES = wrk nginx-light cl-aserve gnuplot-nox procps curl openssl
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -44,6 +45,9 @@ bench: bench-deps
 
 bench-quick: bench-deps
 	bench/run --quick
+
+bench-compare: bench-deps
+	bench/run compare $(REV)
 
 bench-connections: bench-deps
 	bench/run connections

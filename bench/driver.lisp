@@ -127,11 +127,12 @@ http {
                          :output log-file :error-output :output :if-output-exists :supersede)))
 
 (defun launch-server (server port delay-ms core log-file)
-  "Start SERVER in a process of its own; its process-info."
+  "Start SERVER in a process of its own, from its own :CORE if it has one,
+else from CORE; its process-info."
   (if (getf server :nginx)
       (launch-nginx port :log-file log-file)
       (uiop:launch-program
-       (list "sbcl" "--core" core "--noinform" "--non-interactive" "--disable-debugger"
+       (list "sbcl" "--core" (or (getf server :core) core) "--noinform" "--non-interactive" "--disable-debugger"
              "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve ~S ~D :delay-ms ~D :static-folder ~S)"
                               (getf server :lisp) port delay-ms *static-folder*))
        :output log-file :error-output :output :if-output-exists :supersede)))
@@ -407,7 +408,7 @@ and push each result on MEASURED under (server name, workload)."
 
 (defun run-benchmarks (&key quick core (servers *servers*) (workloads (workloads quick))
                             (rounds (if quick 1 3)) (seconds (if quick 2 5))
-                            (output-root "bench/results/"))
+                            (output-root "bench/results/") (run-name (utc-timestamp)))
   "Measure every server of SERVERS on every workload, ROUNDS times in turn
 (round by round, so that a slow minute of the machine hits every server),
 and keep each cell's median round; write the results directory and print
@@ -416,7 +417,7 @@ Returns the directory."
   (let* ((*servers* servers)
          (*static-folder* (make-static-folder))
          (warm-seconds 2)
-         (directory (format nil "~A~A/" output-root (utc-timestamp)))
+         (directory (format nil "~A~A/" output-root run-name))
          (cells (loop for workload in workloads
                       append (loop for round from 1 to rounds
                                    append (loop for server in *servers*
@@ -458,3 +459,27 @@ Returns the directory."
       (format t "~&~%Requests/s (median of ~D round~:P), ratio to ~A in this run (~A):~%~A~%Results: ~A~%"
               rounds (getf (first *servers*) :name) directory table directory))
     directory))
+
+(defun run-comparison (&key revision revision-core quick rounds workload-name core)
+  "The matrix for Hunchentoot, ours as built at REVISION (a git revision,
+its bench core REVISION-CORE) and ours as checked out, round by round in
+one run, so that a change is judged by ratios measured side by side rather
+than against a run made when the machine was faster or slower.  ROUNDS
+(default as for RUN-BENCHMARKS) and WORKLOAD-NAME (one workload, named as
+in the summary, say \"1ms keep-alive c100\"; default every one) let a
+doubtful cell be measured again, longer.  Writes
+bench/results/<UTC timestamp>-compare-<REVISION>/.  Returns the directory."
+  (let ((workloads (workloads quick)))
+    (when workload-name
+      (setf workloads (remove workload-name workloads :key #'workload-name :test-not #'string=))
+      (unless workloads
+        (error "No workload is named ~S; they are ~{~S~^, ~}."
+               workload-name (mapcar #'workload-name (workloads nil)))))
+    (run-benchmarks :quick quick :core core :workloads workloads
+                    :rounds (or rounds (if quick 1 3))
+                    :run-name (format nil "~A-compare-~A" (utc-timestamp) revision)
+                    :servers (list (first *servers*)
+                                   (list :name revision :label (format nil "parallel-easy-acceptor at ~A" revision)
+                                         :lisp :parallel :core revision-core)
+                                   (find "parallel" *servers* :key (lambda (server) (getf server :name))
+                                                              :test #'string=)))))

@@ -9,7 +9,7 @@
 (defpackage #:hunchentoot-recycling-taskmaster-bench
   (:use #:cl)
   (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster))
-  (:export #:serve #:run-benchmarks #:run-connection-load #:run-slow-readers-load #:run-slow-bodies-load
+  (:export #:serve #:run-benchmarks #:run-comparison #:run-connection-load #:run-slow-readers-load #:run-slow-bodies-load
            #:run-tls-handshakes-load
            #:run-profile #:run-scale))
 
