@@ -126,15 +126,19 @@ http {
     (uiop:launch-program (list "nginx" "-c" config "-p" directory "-e" (concatenate 'string directory "error.log"))
                          :output log-file :error-output :output :if-output-exists :supersede)))
 
-(defun launch-server (server port delay-ms core log-file)
+(defun launch-server (server port delay-ms core log-file &key ssl-port ssl-certificate ssl-key)
   "Start SERVER in a process of its own, from its own :CORE if it has one,
-else from CORE; its process-info."
+else from CORE; its process-info.  SSL-PORT, SSL-CERTIFICATE and SSL-KEY go
+to SERVE (ours only)."
   (if (getf server :nginx)
       (launch-nginx port :log-file log-file)
       (uiop:launch-program
        (list "sbcl" "--core" (or (getf server :core) core) "--noinform" "--non-interactive" "--disable-debugger"
-             "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve ~S ~D :delay-ms ~D :static-folder ~S)"
-                              (getf server :lisp) port delay-ms *static-folder*))
+             "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve ~S ~D :delay-ms ~D :static-folder ~S~
+                                     ~@[ :ssl-port ~D~]~@[ :ssl-certificate ~S~]~@[ :ssl-key ~S~])"
+                              (getf server :lisp) port delay-ms *static-folder*
+                              ssl-port (and ssl-certificate (namestring ssl-certificate))
+                              (and ssl-key (namestring ssl-key))))
        :output log-file :error-output :output :if-output-exists :supersede)))
 
 (defun stop-server (process)

@@ -152,17 +152,6 @@ reported, read every second until (CAR STOP-FLAG) is true."
            (sleep 1)
         finally (return (list most-of-key most-busy))))
 
-(defun launch-our-server (port core &key ssl-port certificate key)
-  "Start our server in a process of its own on PORT and, when SSL-PORT is
-given, an SSL acceptor on SSL-PORT with the CERTIFICATE and KEY files, whose
-statistics /pool-stats then reports; its process-info."
-  (uiop:launch-program
-   (list "sbcl" "--core" core "--noinform" "--non-interactive" "--disable-debugger"
-         "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve :parallel ~D ~
-                                 :ssl-port ~S :ssl-certificate ~S :ssl-key ~S)"
-                          port ssl-port certificate key))
-   :output "/dev/null" :error-output :output))
-
 (defun run-slow-clients-load (core sampled-key run-clients report &key ssl)
   "Start our server in its own process (from CORE); run the slow clients,
 (FUNCALL RUN-CLIENTS PORT), against it with the separate client of
@@ -174,11 +163,10 @@ the sampled peaks, the server's final statistics and its peak RSS in MB."
   (let* ((port (free-port))
          (ssl-port (and ssl (free-port)))
          (certificate-directory (and ssl (make-bench-certificate)))
-         (process (if ssl
-                      (launch-our-server port core :ssl-port ssl-port
-                                                   :certificate (merge-pathnames "cert.pem" certificate-directory)
-                                                   :key (merge-pathnames "key.pem" certificate-directory))
-                      (launch-our-server port core)))
+         (process (launch-server '(:lisp :parallel) port 0 core "/dev/null"
+                                 :ssl-port ssl-port
+                                 :ssl-certificate (and ssl (merge-pathnames "cert.pem" certificate-directory))
+                                 :ssl-key (and ssl (merge-pathnames "key.pem" certificate-directory))))
          (load-port (or ssl-port port)))
     (unwind-protect
          (progn
