@@ -49,7 +49,7 @@ bytes, with acceptors that use it by default."
 extension points run against Hunchentoot's easy-acceptor and ours, the
 thread-pool tests, the readiness engine over the wire, and STOP under load."
   :depends-on ("hunchentoot-recycling-taskmaster" "fiveam" "drakma" "cl+ssl"
-               "flexi-streams" "cl-ppcre")
+               "flexi-streams" "cl-ppcre" (:require "sb-introspect"))
   :pathname "test/"
   :serial t
   :components ((:file "package")
@@ -68,6 +68,7 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (:file "metrics")
                (:file "garbage-input")
                (:file "extension-points")
+               (:file "mixin-order")
                (:file "stop")
                (:file "slow-clients")
                (:file "tls-handshakes")

@@ -40,12 +40,17 @@ limit; a larger one gets 413."))
 gets 431."))
 
 (defclass static-document-root (hunchentoot:acceptor)
-  ()
+  ((dispatch-chain
+    :initform nil :accessor acceptor-dispatch-chain
+    :documentation "The ACCEPTOR-DISPATCH-REQUEST methods that run after
+this class's, kept while the generic function's methods stay the same (see
+static-files.lisp)."))
   (:documentation "Serves the acceptor's HUNCHENTOOT:ACCEPTOR-DOCUMENT-ROOT
-by SERVE-STATIC-FILE (static-files.lisp) in place of Hunchentoot's
-HANDLE-STATIC-FILE.  Placed after HUNCHENTOOT:EASY-ACCEPTOR in the
-precedence list of an easy acceptor, so that the dispatch table is looked
-at first, as Hunchentoot does."))
+by SERVE-STATIC-FILE (static-files.lisp) where Hunchentoot's last
+ACCEPTOR-DISPATCH-REQUEST method would serve it by HANDLE-STATIC-FILE,
+wherever this class falls in the precedence list.  Placed after
+HUNCHENTOOT:EASY-ACCEPTOR in the parallel acceptors' lists only so that a
+request an easy handler answers does not pass through its method."))
 
 (defclass parallel-acceptor (static-document-root)
   ((connection-engine

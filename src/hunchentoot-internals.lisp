@@ -171,19 +171,6 @@ decoded as #\\?."
 request initializer parses them."
   (hunchentoot::cookies-to-alist (cl-ppcre:split "\\s*[,;]\\s*" cookie-header)))
 
-(defmethod slot-unbound (class (request hunchentoot:request) (slot-name (eql 'hunchentoot:get-parameters)))
-  "The engine's request constructor leaves a query string it could parse
-without error unparsed: parse it on first use."
-  (declare (ignore class))
-  (setf (slot-value request slot-name) (parse-query-string (hunchentoot:query-string request))))
-
-(defmethod slot-unbound (class (request hunchentoot:request) (slot-name (eql 'hunchentoot:cookies-in)))
-  "The engine's request constructor leaves the Cookie header unparsed: parse
-it on first use."
-  (declare (ignore class))
-  (setf (slot-value request slot-name)
-        (parse-cookie-header (cdr (assoc :cookie (hunchentoot:headers-in request))))))
-
 (defun request-slot-role (slot-name)
   "What the engine's request constructor puts in HUNCHENTOOT:REQUEST's slot
 SLOT-NAME besides its initarg or initform: :SCRIPT-NAME, :QUERY-STRING,

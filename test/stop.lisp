@@ -132,3 +132,50 @@ close and the client threads to join."
         (is (< (/ (- (get-internal-real-time) start) internal-time-units-per-second) 3)
             "the soft STOP ended with the failed request, well before its 5 s deadline"))
       (is (= 0 (stats server :threads))))))
+
+(defun one-request-on-a-new-connection (port)
+  ":SERVED when GET /test/yo on a new connection to PORT is answered 200,
+:REFUSED when the connection is refused, else what happened instead."
+  (handler-case
+      (let ((socket (connect-to-port port)))
+        (unwind-protect
+             (progn (send-text socket (get-request "/test/yo"))
+                    (let ((status (read-response socket :timeout 10)))
+                      (if (eql status 200) :served (list :answered status))))
+          (usocket:socket-close socket)))
+    (usocket:connection-refused-error () :refused)
+    (error (condition) condition)))
+
+(test stop.soft-stop-refuses-new-connections-and-serves-accepted-ones
+  ;; While a soft STOP waits for a request in flight and a connection that
+  ;; has not sent its request yet, a client connecting is refused at once
+  ;; (ECONNREFUSED, which a balancer retries elsewhere), never reset; the
+  ;; connection accepted before is still served.
+  (with-thread-leak-check ()
+    (let* ((server (make-server 'parallel-easy-acceptor
+                                :taskmaster (make-instance 'recycling-taskmaster
+                                                           :standby-thread-count 2 :stop-timeout 10)))
+           (port (progn (ht:start server) (ht:acceptor-port server)))
+           (outcomes '()))
+      (setf *held-requests-released-p* nil)
+      (let ((held (in-thread (lambda () (http-get server "/test/held"))))
+            (waiting (connect server)))
+        (unwind-protect
+             (progn
+               (is (wait-until (lambda () (= 1 (stats server :in-request-threads)))))
+               (is (wait-until (lambda () (= 2 (stats server :open-connections)))))
+               (let ((stop (in-thread (lambda () (ht:stop server :soft t)))))
+                 (is (wait-until (lambda () (eq :refused (first (push (one-request-on-a-new-connection port)
+                                                                        outcomes))))))
+                 (send-text waiting (get-request "/test/yo"))
+                 (is (eql 200 (read-response waiting)) "the connection accepted before the STOP is served")
+                 (setf *held-requests-released-p* t)
+                 (is (eql 200 (first (funcall held))) "the request in flight is answered")
+                 (funcall stop))
+               (is (every (lambda (outcome) (member outcome '(:served :refused))) outcomes)
+                   "every connection made during the STOP was served or refused: ~S" outcomes)
+               (is (port-free-p port)))
+          (setf *held-requests-released-p* t)
+          (usocket:socket-close waiting)
+          (when (ht:started-p server)
+            (abandon-acceptor server)))))))

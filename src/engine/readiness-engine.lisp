@@ -79,7 +79,9 @@ NIL when WORKER is to end (the pool is stopping, or WORKER is surplus)."
   "accept(2) failed with CONDITION.  EMFILE and the like last until
 connections close: pause accepting until the next sweep, as nginx turns its
 accept events off for a moment, and log it (quiet while stopping)."
-  (unless (stopping-p engine)
+  ;; Once accepting has stopped, a worker woken just before may find the
+  ;; socket no longer listening (REFUSE-CONNECTIONS): nothing to report.
+  (unless (or (stopping-p engine) (readiness-set-accepting-stopped-p set))
     (call-with-spare-descriptor
      set (lambda ()
            (log-safely (engine-acceptor engine) :error "accept failed, accepting paused for a moment: ~A"
@@ -404,6 +406,17 @@ comes; it is answered 408 if nothing does for the read timeout."
   (setf (connection-awaiting connection) :input
         (connection-timeout-status connection) nil)
   (park-until engine set connection (+ (get-internal-real-time) (readiness-set-read-timeout set))))
+
+(defun take-queued-connections (engine set deadline)
+  "Accept each connection the kernel has queued on SET's listening socket,
+until none is left or DEADLINE (internal real time) passes, and park each
+for its first request as a worker would: a soft STOP serves them before
+the socket stops listening."
+  (loop while (< (get-internal-real-time) deadline)
+        do (let ((connection (accept-new-connection engine set)))
+             (if connection
+                 (park-or-end engine set connection #() 0)
+                 (return)))))
 
 (defmethod hunchentoot:process-connection ((acceptor parallel-acceptor) (socket connection-socket))
   "Serve the requests that have arrived on the connection SOCKET stands for,

@@ -52,6 +52,10 @@ pipelined requests."
 (defmethod engine-drain ((engine readiness-engine) deadline)
   (let ((set (engine-readiness-set engine)))
     (stop-accepting set)
+    ;; An inherited socket stays listening, its queue for the next process.
+    (unless (acceptor-listen-fd (engine-acceptor engine))
+      (take-queued-connections engine set deadline)
+      (refuse-connections set))
     (loop (cond ((zerop (unfinished-connection-count set)) (return t))
                 ((>= (get-internal-real-time) deadline) (return nil))
                 (t (sleep 0.01))))))

@@ -225,6 +225,15 @@ again after arming, since STOP-ACCEPTING may have disarmed it meanwhile."
   (memory-barrier)
   (epoll-disarm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+))
 
+(defun refuse-connections (set)
+  "Make SET's listening socket, whose accepting has stopped, stop listening:
+the kernel refuses a client connecting from now on (ECONNREFUSED, which a
+load balancer retries elsewhere at once), where closing the socket later
+would reset those it had queued.  The descriptor stays open until the
+listening socket is closed, so its number is not taken by another socket
+while a worker may still name it."
+  (shut-down-fd (readiness-set-listen-fd set)))
+
 (defun unfinished-connection-count (set)
   "Connections in SET's table none of whose requests has been answered yet,
 or whose reply is not sent whole yet."

@@ -329,7 +329,7 @@ message, unless the reply has begun."
                                                    :error (princ-to-string error)
                                                    :backtrace (princ-to-string backtrace))))
 
-(defmethod hunchentoot:process-request ((request hunchentoot:request))
+(defmethod hunchentoot:process-request ((request parallel-request))
   "Under a PARALLEL-ACCEPTOR, Hunchentoot's request processing with the
 common reply written as octets (see engine/reply.lisp); under any other
 acceptor, Hunchentoot's own."

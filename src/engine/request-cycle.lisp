@@ -83,7 +83,7 @@ shown."
                               (funcall (object-constructors-request constructors)
                                        acceptor local-addr local-port remote-addr remote-port
                                        initializer-headers content-stream method uri protocol)
-                              (make-instance (hunchentoot:acceptor-request-class acceptor)
+                              (make-instance (engine-request-class acceptor)
                                              :acceptor acceptor
                                              :local-addr local-addr :local-port local-port
                                              :remote-addr remote-addr :remote-port remote-port
@@ -101,14 +101,20 @@ a kept-alive connection stays open.  NIL elsewhere.")
 (defun keep-alive-header-value (acceptor)
   (format nil "timeout=~D" (floor (acceptor-keep-alive-timeout acceptor))))
 
-(defmethod (setf hunchentoot:header-out) :around
-    (value (name (eql :keep-alive)) &optional (reply hunchentoot:*reply*))
+(defmethod hunchentoot:headers-out :around ((reply parallel-reply))
   "HUNCHENTOOT:START-OUTPUT writes Keep-Alive: timeout=<read timeout> when a
 client asks to be kept alive, but a parallel acceptor closes an idle
-connection after KEEP-ALIVE-TIMEOUT: name that, or the client will send its
-next request on a connection being closed.  (START-OUTPUT overwrites any
-value a handler set, here as in Hunchentoot.)"
-  (call-next-method (or *keep-alive-header-value* value) name reply))
+connection after KEEP-ALIVE-TIMEOUT: the header, as read to be written,
+names that, or the client would send its next request on a connection
+being closed.  (START-OUTPUT overwrites any value a handler set, here as
+in Hunchentoot.)  Hunchentoot's (SETF HEADER-OUT) cannot be specialized on
+the reply, its optional argument: hence the reader."
+  (let ((headers (call-next-method)))
+    (when *keep-alive-header-value*
+      (let ((entry (assoc :keep-alive headers)))
+        (when entry
+          (setf (cdr entry) *keep-alive-header-value*))))
+    headers))
 
 (defun answer-request (acceptor head addresses connection-stream content-stream chunked-p)
   "Answer one request, whose REQUEST-HEAD is HEAD, as Hunchentoot's
@@ -153,7 +159,7 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
                (hunchentoot:*reply* (make-reply acceptor))
                (hunchentoot:*session* nil)
                (hunchentoot:*request*
-                 (make-instance (hunchentoot:acceptor-request-class acceptor)
+                 (make-instance (engine-request-class acceptor)
                                 :acceptor acceptor
                                 :local-addr local-addr :local-port local-port
                                 :remote-addr remote-addr :remote-port remote-port

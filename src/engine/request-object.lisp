@@ -1,23 +1,72 @@
 ;;;; The request and reply objects of a request the engine answers.
 ;;;;
 ;;;; Both are made by constructors compiled once per START for the
-;;;; acceptor's classes.  When the request class is initialized as
-;;;; Hunchentoot's own request is (no INITIALIZE-INSTANCE or
-;;;; SHARED-INITIALIZE method of its own), a request whose target needs no
-;;;; decoding is made without Hunchentoot's initializer: its slots are set
-;;;; from the head, the script name and query string are cut from the URI,
-;;;; the GET parameters and cookies are left to be parsed on first use (by
-;;;; the SLOT-UNBOUND methods in hunchentoot-internals.lisp), and the session
-;;;; is looked up only when the request could name one.  Every accessor then
-;;;; returns what Hunchentoot's initializer would have computed.  Any other
-;;;; request, and every request of any other class, goes through
-;;;; MAKE-INSTANCE and Hunchentoot's initializer, unchanged.
+;;;; acceptor's classes: PARALLEL-REQUEST and PARALLEL-REPLY where the
+;;;; acceptor names Hunchentoot's own, so that the engine's behaviour is
+;;;; attached to classes of ours, never to Hunchentoot's.  When the request
+;;;; class is a PARALLEL-REQUEST initialized as Hunchentoot's own request is
+;;;; (no INITIALIZE-INSTANCE or SHARED-INITIALIZE method of its own), a
+;;;; request whose target needs no decoding is made without Hunchentoot's
+;;;; initializer: its slots are set from the head, the script name and query
+;;;; string are cut from the URI, the GET parameters and cookies are left to
+;;;; be parsed on first use (by the SLOT-UNBOUND methods below), and the
+;;;; session is looked up only when the request could name one.  Every
+;;;; accessor then returns what Hunchentoot's initializer would have
+;;;; computed.  Any other request, and every request of any other class,
+;;;; goes through MAKE-INSTANCE and Hunchentoot's initializer, unchanged.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
+(defclass parallel-request (hunchentoot:request)
+  ()
+  (:documentation "The request class a parallel acceptor uses where its
+HUNCHENTOOT:ACCEPTOR-REQUEST-CLASS is Hunchentoot's default, HUNCHENTOOT:REQUEST.
+Its HUNCHENTOOT:PROCESS-REQUEST writes the common reply as octets
+(engine/reply.lisp); its requests may be made without Hunchentoot's
+initializer.  A :REQUEST-CLASS of your own gets both by inheriting from
+this class; one that does not is served by Hunchentoot's own
+PROCESS-REQUEST and initializer, as on Hunchentoot's acceptor."))
+
+(defclass parallel-reply (hunchentoot:reply)
+  ()
+  (:documentation "The reply class a parallel acceptor uses where its
+HUNCHENTOOT:ACCEPTOR-REPLY-CLASS is Hunchentoot's default, HUNCHENTOOT:REPLY."))
+
+(defun engine-request-class (acceptor)
+  "The class of the requests the engine makes for ACCEPTOR: its
+HUNCHENTOOT:ACCEPTOR-REQUEST-CLASS, PARALLEL-REQUEST in place of
+HUNCHENTOOT:REQUEST.  Not a default initarg of the parallel acceptors: a
+mixin's own default (hunchensocket's, say) must win whichever side of ours
+it is listed on, as it does beside Hunchentoot's acceptor."
+  (let ((class (hunchentoot:acceptor-request-class acceptor)))
+    (if (member class (list 'hunchentoot:request (find-class 'hunchentoot:request)))
+        'parallel-request
+        class)))
+
+(defun engine-reply-class (acceptor)
+  "The class of ACCEPTOR's replies: its HUNCHENTOOT:ACCEPTOR-REPLY-CLASS,
+PARALLEL-REPLY in place of HUNCHENTOOT:REPLY."
+  (let ((class (hunchentoot:acceptor-reply-class acceptor)))
+    (if (member class (list 'hunchentoot:reply (find-class 'hunchentoot:reply)))
+        'parallel-reply
+        class)))
+
+(defmethod slot-unbound (class (request parallel-request) (slot-name (eql 'hunchentoot:get-parameters)))
+  "The engine's request constructor leaves a query string it could parse
+without error unparsed: parse it on first use."
+  (declare (ignore class))
+  (setf (slot-value request slot-name) (parse-query-string (hunchentoot:query-string request))))
+
+(defmethod slot-unbound (class (request parallel-request) (slot-name (eql 'hunchentoot:cookies-in)))
+  "The engine's request constructor leaves the Cookie header unparsed: parse
+it on first use."
+  (declare (ignore class))
+  (setf (slot-value request slot-name)
+        (parse-cookie-header (cdr (assoc :cookie (hunchentoot:headers-in request))))))
+
 (defstruct (object-constructors
             (:constructor %make-object-constructors
-                (request plain-request default-session-verify-p reply)))
+                (request plain-request default-session-verify-p plus-is-space-p reply)))
   "The functions that make an acceptor's request and reply objects."
   ;; Makes a request through MAKE-INSTANCE, with Hunchentoot's initializer.
   (request nil :type function :read-only t)
@@ -29,6 +78,9 @@
   ;; which finds no session unless the session cookie name is in the Cookie
   ;; header or the query string.
   (default-session-verify-p nil :read-only t)
+  ;; True when the loaded Hunchentoot's initializer reads a + in a request's
+  ;; path as a space: 1.2 does, 1.3.0 stopped.
+  (plus-is-space-p t :read-only t)
   (reply nil :type function :read-only t))
 
 (defvar *object-constructors* nil
@@ -56,7 +108,7 @@ computes makes the same object."
                                     (subtypep (find-class 'standard-object) specializer)))))
                        methods))))
     (and (standard-class-p class)
-         (subtypep class 'hunchentoot:request)
+         (subtypep class 'parallel-request)
          (standard-or-hunchentoot-p (applicable-methods #'initialize-instance class))
          (standard-or-hunchentoot-p (applicable-methods #'shared-initialize class (find-class 'symbol))))))
 
@@ -105,7 +157,7 @@ at every call."
   (flet ((compile-quietly (form)
            (handler-bind ((warning #'muffle-warning))
              (compile nil form))))
-    (let* ((request-class-name (hunchentoot:acceptor-request-class acceptor))
+    (let* ((request-class-name (engine-request-class acceptor))
            (request-class (finalized-class (if (symbolp request-class-name)
                                                (find-class request-class-name)
                                                request-class-name))))
@@ -119,13 +171,14 @@ at every call."
          (compile-quietly (plain-request-constructor-form request-class)))
        (equal (applicable-methods #'hunchentoot:session-verify request-class)
               (list (default-session-verify-method)))
+       (path-plus-is-space-p acceptor)
        (compile-quietly
-        `(lambda () (make-instance ',(hunchentoot:acceptor-reply-class acceptor))))))))
+        `(lambda () (make-instance ',(engine-reply-class acceptor))))))))
 
 (defun make-reply (acceptor)
   (if *object-constructors*
       (funcall (object-constructors-reply *object-constructors*))
-      (make-instance (hunchentoot:acceptor-reply-class acceptor))))
+      (make-instance (engine-reply-class acceptor))))
 
 ;;; A request made without Hunchentoot's initializer.
 
@@ -133,12 +186,26 @@ at every call."
   "True when the Content-Type header value CONTENT-TYPE may have a charset parameter."
   (search "charset" content-type :test #'char-equal))
 
-(defun plain-request-target (uri headers)
+(defun path-plus-is-space-p (acceptor)
+  "True when the loaded Hunchentoot's request initializer makes a space of a
++ in a request's path, asked of the initializer itself for ACCEPTOR."
+  (let* ((hunchentoot:*acceptor* acceptor)
+         (hunchentoot:*reply* (make-instance 'hunchentoot:reply))
+         (hunchentoot:*session* nil)
+         (request (make-instance 'hunchentoot:request
+                                 :acceptor acceptor :headers-in '() :content-stream nil
+                                 :method :get :uri "/+" :server-protocol :http/1.1
+                                 :remote-addr "127.0.0.1" :remote-port 0
+                                 :local-addr "127.0.0.1" :local-port 0)))
+    (equal (hunchentoot:script-name request) "/ ")))
+
+(defun plain-request-target (uri headers plus-is-space-p)
   "When Hunchentoot's initializer has nothing in URI to decode that could
 fail or depend on a charset (no %-escape, no character above 127 in the
 path, no charset in HEADERS' Content-Type) and URI is a path (not an
 absolute-form target, which it would cut), the script name it makes of URI
-and its query string (or NIL); else NIL."
+(a + read as a space when PLUS-IS-SPACE-P) and its query string (or NIL);
+else NIL."
   (declare (type simple-string uri) (optimize speed))
   (let ((content-type (cdr (assoc :content-type headers)))
         (length (length uri))
@@ -156,7 +223,8 @@ and its query string (or NIL); else NIL."
                (setf path-end index))
               ((> (char-code character) 127)
                (return-from plain-request-target nil)))))
-    (values (nsubstitute #\Space #\+ (subseq uri 0 (or path-end length)))
+    (values (let ((path (subseq uri 0 (or path-end length))))
+              (if plus-is-space-p (nsubstitute #\Space #\+ path) path))
             (when path-end
               (subseq uri (1+ path-end))))))
 
@@ -191,7 +259,7 @@ initializer does, with its handling of an error (logged, 400)."
 without Hunchentoot's initializer, or NIL when it needs that initializer."
   (let ((constructor (object-constructors-plain-request constructors)))
     (when constructor
-      (multiple-value-bind (script-name query-string) (plain-request-target uri headers)
+      (multiple-value-bind (script-name query-string) (plain-request-target uri headers (object-constructors-plus-is-space-p constructors))
         (when script-name
           (let ((request (funcall constructor
                                   acceptor local-addr local-port remote-addr remote-port headers

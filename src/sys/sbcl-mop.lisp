@@ -51,3 +51,37 @@ object when it is one)."
 (defmacro instance-slot-value (instance location)
   "The value of INSTANCE's slot at LOCATION (a place)."
   `(sb-mop:standard-instance-access ,instance ,location))
+
+;;; Running the rest of a generic function's primary methods with one of
+;;; them replaced (the document root, static-files.lisp, takes the place of
+;;; Hunchentoot's last ACCEPTOR-DISPATCH-REQUEST method wherever a mixin
+;;; puts it in the chain).
+
+(defun primary-methods-after (method generic-function arguments)
+  "The primary methods of GENERIC-FUNCTION that CALL-NEXT-METHOD in METHOD
+runs for ARGUMENTS, in the order it runs them."
+  (rest (member method (remove-if #'sb-mop:method-qualifiers
+                                  (sb-mop:compute-applicable-methods-using-classes
+                                   generic-function (mapcar #'class-of arguments))))))
+
+(defun generic-function-methods-list (generic-function)
+  "GENERIC-FUNCTION's list of methods: a fresh list each time a method is
+added or removed, so that a chain computed from it can be kept until the
+list changes."
+  (sb-mop:generic-function-methods generic-function))
+
+(defun make-replacing-method (lambda-list function)
+  "A primary method, in no generic function, that calls FUNCTION with its
+arguments and ignores the methods after it."
+  (make-instance 'standard-method
+                 :qualifiers '()
+                 :lambda-list lambda-list
+                 :specializers (mapcar (constantly (find-class t)) lambda-list)
+                 :function (lambda (arguments next-methods)
+                             (declare (ignore next-methods))
+                             (apply function arguments))))
+
+(defun call-method-chain (methods arguments)
+  "Run the primary METHODS on ARGUMENTS as CALL-NEXT-METHOD runs them: the
+first, with the rest as its next methods."
+  (funcall (sb-mop:method-function (first methods)) arguments (rest methods)))
