@@ -77,6 +77,16 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
              (unless (symbol-call :hunchentoot-recycling-taskmaster-test :run-tests)
                (error "hunchentoot-recycling-taskmaster: tests failed"))))
 
+(defsystem "hunchentoot-recycling-taskmaster/compatibility"
+  :description "The libraries users mix in -- easy-routes, Clack's Hunchentoot
+handler, hunchensocket -- listed before and after a parallel acceptor,
+against Hunchentoot's acceptor in the same place.  Needs their unchanged
+sources (test/run-compatibility.lisp finds them)."
+  :depends-on ("hunchentoot-recycling-taskmaster/test" "easy-routes" "hunchensocket"
+               "clack-handler-hunchentoot")
+  :pathname "test/"
+  :components ((:file "compatibility")))
+
 (defsystem "hunchentoot-recycling-taskmaster/bench"
   :description "Benchmark servers started in their own process by bench/run,
 the wrk matrix that measures them, and the many-connection loads."

@@ -8,6 +8,9 @@
    #:parallel-ssl-acceptor
    #:parallel-easy-ssl-acceptor
    #:abandon-acceptor
+   ;; The request and reply classes they use in place of Hunchentoot's defaults.
+   #:parallel-request
+   #:parallel-reply
 
    ;; How a parallel acceptor serves connections: the connection engine's
    ;; name and the limits it enforces on the waits and heads of requests.

@@ -12,10 +12,16 @@
   :description "Request fields, the same as Hunchentoot's initializer computes.")
 (in-suite request-fields)
 
-(defclass request-with-slots (ht:request)
+(defclass request-with-slots (parallel-request)
   ((tag :initform (list :fresh) :reader request-tag)
    (unbound-slot :reader request-unbound-slot))
-  (:documentation "A request class of a user's, initialized as Hunchentoot's request is."))
+  (:documentation "A request class of a user's, initialized as Hunchentoot's
+request is, inheriting from PARALLEL-REQUEST as README advises."))
+
+(defclass hunchentoot-request-with-slots (ht:request)
+  ((tag :initform (list :fresh) :reader request-tag))
+  (:documentation "A request class of a user's that inherits only from
+Hunchentoot's: served by Hunchentoot's own initializer and PROCESS-REQUEST."))
 
 (defclass request-with-initializer (ht:request)
   ((tag :initform :fresh :reader request-tag))
@@ -48,7 +54,8 @@
            :session (and ht:*session* (eq ht:*session* (ht:session request)))
            :uri (ht:request-uri* request)
            :headers (ht:headers-in* request)
-           :class (type-of request)
+           :class (let ((class (ht:acceptor-request-class ht:*acceptor*)))
+                    (if (typep request class) class (type-of request)))
            :tag (and (slot-exists-p request 'tag) (slot-value request 'tag))
            :unbound (and (slot-exists-p request 'unbound-slot) (slot-boundp request 'unbound-slot))))))
 
@@ -95,7 +102,8 @@
   (check-same-replies *field-requests*))
 
 (test request-fields.user-request-classes-same-as-hunchentoot
-  (dolist (class '(request-with-slots request-with-initializer request-with-session-verify))
+  (dolist (class '(request-with-slots hunchentoot-request-with-slots request-with-initializer
+                   request-with-session-verify))
     (check-same-replies (list (get-request "/test/fields?x=1" "Cookie: a=b" "X-Session: s1")
                               (get-request "/test/fields/%41" "X-Session: s2"))
                         :request-class class)))
@@ -138,7 +146,10 @@ string and headers in HEADERS-AND-QUERY (the first, a query string or NIL)."
 
 (test request-fields.classes-made-without-initializer
   (is-true (hunchentoot-recycling-taskmaster::initialized-as-hunchentoot-request-p
-            (find-class 'ht:request)))
+            (find-class 'parallel-request)))
+  (is-false (hunchentoot-recycling-taskmaster::initialized-as-hunchentoot-request-p
+             (find-class 'hunchentoot-request-with-slots))
+            "a class that is not a PARALLEL-REQUEST goes through MAKE-INSTANCE")
   (is-true (hunchentoot-recycling-taskmaster::initialized-as-hunchentoot-request-p
             (find-class 'request-with-slots)))
   (is-false (hunchentoot-recycling-taskmaster::initialized-as-hunchentoot-request-p

@@ -156,14 +156,15 @@ from SOCKET; NIL on EOF or timeout."
 
 ;;; The runner.
 
-(defun run-tests (&optional (suite-name "ALL"))
+(defun run-tests (&optional (suite-name "ALL") label)
   "Run the suite named SUITE-NAME (default every test); print one closing line
-\"N passed, M failed\".  True when none failed."
+\"N passed, M failed\", after LABEL and a colon when given.  True when none
+failed; second and third values, the checks passed and failed."
   (let* ((results (let ((*print-names* t))
                     (run (intern (string-upcase suite-name) '#:hunchentoot-recycling-taskmaster-test))))
          (passed (count-if (lambda (result) (typep result 'fiveam::test-passed)) results))
          (failed (- (length results) passed)))
     (explain! results)
-    (format t "~&~D passed, ~D failed~%" passed failed)
+    (format t "~&~@[~A: ~]~D passed, ~D failed~%" label passed failed)
     (finish-output)
-    (zerop failed)))
+    (values (zerop failed) passed failed)))

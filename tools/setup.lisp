@@ -20,13 +20,24 @@
           (uiop:quit 2))
         (truename directory)))))
 
+(defparameter *checkout*
+  (uiop:pathname-parent-directory-pathname (uiop:pathname-directory-pathname *load-truename*))
+  "This checkout's folder.")
+
+(defun find-systems-in (&rest folders)
+  "Let ASDF find systems in FOLDERS first, then in HUNCHENTOOT's folder, this
+checkout and Debian's."
+  (let ((hunchentoot (hunchentoot-override)))
+    (asdf:initialize-source-registry
+     `(:source-registry
+       ,@(loop for folder in folders collect `(:directory ,folder))
+       ,@(when hunchentoot `((:directory ,hunchentoot)))
+       (:directory ,*checkout*)
+       :inherit-configuration))))
+
+(find-systems-in)
+
 (let ((hunchentoot (hunchentoot-override)))
-  (asdf:initialize-source-registry
-   `(:source-registry
-     ,@(when hunchentoot `((:directory ,hunchentoot)))
-     (:directory ,(uiop:pathname-parent-directory-pathname
-                   (uiop:pathname-directory-pathname *load-truename*)))
-     :inherit-configuration))
   (when hunchentoot
     (asdf:initialize-output-translations
      `(:output-translations
