@@ -9,6 +9,7 @@
 # make bench-slow-bodies   1,000 clients POSTing 100 KiB at 1 KiB a second for 60 s
 # make bench-tls-handshakes  1,000 silent and 1,000 half-ClientHello TLS connections for 60 s
 # make bench-scale         1, 2 and one-per-core processes on one port, and behind nginx
+# make bench-chunked-body  server CPU per MB of a request body sent in one-octet chunks, ours and Hunchentoot's
 # Each target installs the Debian packages it needs first (make deps).
 
 PORT ?= 4242
@@ -25,7 +26,7 @@ TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd \
                 cl-trivial-garbage cl-trivial-features
 BENCH_PACKAGES = wrk nginx-light cl-aserve gnuplot-nox procps curl openssl
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -74,3 +75,6 @@ bench-tls-handshakes: bench-deps
 
 bench-scale: bench-deps
 	bench/run scale
+
+bench-chunked-body: bench-deps
+	bench/run chunked-body

@@ -98,7 +98,8 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "connections")
                (:file "slow-clients")
                (:file "profile")
-               (:file "scale")))
+               (:file "scale")
+               (:file "chunked-body")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
   :description "The demo server that `make run` starts."

@@ -116,3 +116,17 @@ the acceptor's BODY-BUFFER-BYTES cannot be written to its temporary file in
 HUNCHENTOOT:*TMP-DIRECTORY* (which cannot be made, is not writable, or is
 full).  The engine handles it: the message is logged, the client answered
 500 and the connection closed; the handler never runs."))
+
+(define-condition header-value-refused (recycling-taskmaster-error)
+  ((name :initarg :name :reader refused-header-name
+         :documentation "The header's name (Set-Cookie for a cookie).  Its
+value is never kept: it may be a client's bytes that a handler copied."))
+  (:report (lambda (condition stream)
+             (format stream "The reply header ~A was refused: its value has a CR, LF or NUL, ~
+which would end the header line early on the wire (RFC 9112 2.2)."
+                     (refused-header-name condition))))
+  (:documentation "Signalled when a reply is written under a parallel
+acceptor whose header or cookie value, set by a handler, has a CR, LF or
+NUL: before any of the reply is sent, and after the header is taken out
+of the reply, so that the 500 the request is then answered with (logged
+once, as a handler's error is) carries none of it."))

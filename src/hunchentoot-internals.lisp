@@ -76,6 +76,11 @@ Hunchentoot's own connection loop does."
 its type is text, as Hunchentoot reads it, else NIL."
   (nth-value 2 (hunchentoot::parse-content-type content-type)))
 
+(defun reply-headers (reply)
+  "REPLY's outgoing headers alist, read from its slot: the reader
+HUNCHENTOOT:HEADERS-OUT of a PARALLEL-REPLY checks them as it returns them."
+  (slot-value reply 'hunchentoot:headers-out))
+
 (defun (setf request-headers-in) (headers request)
   "Replace what HUNCHENTOOT:HEADERS-IN of REQUEST returns."
   (setf (slot-value request 'hunchentoot::headers-in) headers))

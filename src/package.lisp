@@ -50,4 +50,6 @@
    #:acceptor-not-parallel-error
    #:chunked-body-malformed
    #:request-body-too-large
-   #:request-body-not-stored))
+   #:request-body-not-stored
+   #:header-value-refused
+   #:refused-header-name))

@@ -14,9 +14,10 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defconstant +max-byte-ranges+ 64
+(defconstant +max-byte-ranges+ 16
   "The most ranges one Range header may ask for; past it the header is
-ignored and the whole file sent (RFC 9110 14.2 lets a server ignore it).")
+ignored and the whole file sent (RFC 9110 14.2 lets a server ignore many
+small ranges, a sign of a broken client or of an attack).")
 
 ;;; HTTP dates (RFC 9110 5.6.7): IMF-fixdate, and the two obsolete forms a
 ;;; recipient must still read.
@@ -106,11 +107,27 @@ its Last-Modified."
 
 ;;; Ranges (RFC 9110 14.1.2).
 
+(defun coalesced-ranges (ranges)
+  "RANGES, (START . END) pairs, as they are when none overlaps or touches
+another; else sorted, with each run of overlapping or adjacent ranges made
+one (RFC 9110 15.3.7.2 lets a server coalesce them, whatever their order)."
+  (let ((sorted (sort (copy-list ranges) #'< :key #'car)))
+    (if (loop for (range next) on sorted
+              never (and next (<= (car next) (cdr range))))
+        ranges
+        (let ((merged '()))
+          (dolist (range sorted (nreverse merged))
+            (if (and merged (<= (car range) (cdr (first merged))))
+                (setf (cdr (first merged)) (max (cdr (first merged)) (cdr range)))
+                (push (cons (car range) (cdr range)) merged)))))))
+
 (defun parse-byte-ranges (header-value size)
   "The ranges the Range HEADER-VALUE asks of a file of SIZE octets: a list
-of (START . END) with END exclusive, clamped to the file; :UNSATISFIABLE
-when none overlaps it; NIL when the header is to be ignored (malformed, a
-unit other than bytes, or more than +MAX-BYTE-RANGES+ ranges)."
+of (START . END) with END exclusive, clamped to the file, overlapping and
+adjacent ones coalesced; :UNSATISFIABLE when none overlaps it; NIL when the
+header is to be ignored and the whole file sent once: malformed, a unit
+other than bytes, more than +MAX-BYTE-RANGES+ ranges, or ranges adding up
+to more than the file (as nginx does: 64 times 0- is one file, not 64)."
   (let ((specs (cl-ppcre:register-groups-bind (list) ("^\\s*bytes\\s*=\\s*(.*?)\\s*$" header-value)
                  (cl-ppcre:split "\\s*,\\s*" list))))
     (when (and specs (<= (length specs) +max-byte-ranges+))
@@ -128,7 +145,9 @@ unit other than bytes, or more than +MAX-BYTE-RANGES+ ranges)."
                            (return-from parse-byte-ranges nil))))
             (unless (eq range :unsatisfiable)
               (push range ranges))))
-        (or (nreverse ranges) :unsatisfiable)))))
+        (cond ((null ranges) :unsatisfiable)
+              ((> (loop for (start . end) in ranges sum (- end start)) size) nil)
+              (t (coalesced-ranges (nreverse ranges))))))))
 
 ;;; Sending.
 

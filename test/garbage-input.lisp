@@ -140,3 +140,45 @@ received) in the order of INPUTS."
       (is (wait-until (lambda () (zerop (stats server :busy-threads))))
           "no worker is left holding a connection")
       (is (wait-until (lambda () (zerop (stats server :open-connections)))) "no connection is left open"))))
+
+(defun malformed-chunked-post (split-p)
+  "A POST whose chunked body has a chunk-size line without a size; sent
+with its head, or (SPLIT-P) its body after a pause."
+  (let ((head (crlf-lines "POST /test/body HTTP/1.1" "Host: localhost" "Transfer-Encoding: chunked" ""))
+        (body (crlf-lines "zz" "hello" "0" "")))
+    (if split-p (list head body) (list (concatenate 'string head body)))))
+
+(defun refused-status (server pieces)
+  "The status SERVER answers the request sent as PIECES, a short pause
+between them."
+  (with-connection (socket server)
+    (loop for (piece . more) on pieces
+          do (send-text socket piece)
+             (when more (sleep 0.01)))
+    (read-response socket)))
+
+(test garbage.malformed-chunked-bodies-cost-one-access-log-line-each
+  ;; Each once wrote a 55 KB backtrace to the message log: a few thousand
+  ;; small requests filled a disk.  A client's mistake is refused before
+  ;; dispatch: one access-log line, counted, nothing in the message log.
+  (uiop:with-temporary-file (:pathname access-log)
+    (uiop:with-temporary-file (:pathname message-log)
+      (with-server (server (make-server 'parallel-easy-acceptor :access-log-destination access-log
+                                                                :message-log-destination message-log))
+        (let ((before (stats server :bad-request-replies))
+              (statuses (make-hash-table)))
+          (dotimes (i 10000)
+            (incf (gethash (refused-status server (malformed-chunked-post nil)) statuses 0)))
+          (dotimes (i 100)
+            (incf (gethash (refused-status server (malformed-chunked-post t)) statuses 0)))
+          (let ((counts (loop for status being the hash-keys of statuses using (hash-value count)
+                              collect (cons status count))))
+            (is (equal '((400 . 10100)) counts) "every one answered 400: ~S" counts))
+          (is (wait-until (lambda () (= (+ before 10100) (stats server :bad-request-replies)))))
+          (is (eql 200 (http-get server "/test/yo")))))
+      (let ((message-log-octets (with-open-file (in message-log) (file-length in)))
+            (access-lines (with-open-file (in access-log)
+                            (loop for line = (read-line in nil) while line count line))))
+        (is (<= message-log-octets (* 2 1000 1000)) "the message log grew by ~:D octets" message-log-octets)
+        (is (zerop message-log-octets) "nothing in the message log: ~:D octets" message-log-octets)
+        (is (= 10101 access-lines) "one access-log line a request: ~D" access-lines)))))

@@ -42,6 +42,9 @@ a histogram's _bucket, _sum or _count."
       (dotimes (i 5) (http-get server "/test/yo"))
       (http-get server "/test/no-such-page")
       (refused-with server (get-request "/test/yo" "No colon here"))
+      ;; A request is counted just after its reply goes out.
+      (is (wait-until (lambda () (<= 6 (gethash "hunchentoot_recycling_request_duration_seconds_count"
+                                                (parse-exposition (prometheus-metrics server)) 0)))))
       (let ((before (scrape)))
         (is (<= 5 (gethash "hunchentoot_recycling_requests_served_total" before 0)))
         (is (<= 5 (gethash "hunchentoot_recycling_replies_total{class=\"2xx\"}" before 0)))
@@ -55,6 +58,8 @@ a histogram's _bucket, _sum or _count."
                 (gethash "hunchentoot_recycling_request_duration_seconds_bucket{le=\"1\"}" before))
             "buckets are cumulative")
         (dotimes (i 5) (http-get server "/test/yo"))
+        (is (wait-until (lambda () (<= 11 (gethash "hunchentoot_recycling_request_duration_seconds_count"
+                                                   (parse-exposition (prometheus-metrics server)) 0)))))
         (let ((after (scrape)))
           (loop for series being the hash-keys of before using (hash-value value)
                 when (or (search "_total" series) (search "_bucket" series) (search "_count" series)

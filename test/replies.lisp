@@ -16,7 +16,6 @@
         (ht:header-out :cache-control) "no-cache"
         (ht:header-out :x-number) 42
         (ht:header-out :x-symbol) :some-symbol
-        (ht:header-out :x-two-lines) (format nil "first~%second")
         (ht:header-out :location) "/elsewhere")
   (ht:set-cookie "flavour" :value "chocolate" :path "/" :http-only t)
   (ht:set-cookie "size" :value "large" :max-age 60 :secure t)
@@ -121,3 +120,54 @@ each sent on a connection of its own."
 (test replies.request-and-reply-subclasses-are-used
   (check-same-replies (list (get-request "/test/classes"))
                       :request-class 'test-request :reply-class 'test-reply))
+
+;;; Header values that would end their line early: a handler that copies a
+;;; client's text into a header, a cookie or a redirect target.
+
+(defparameter *unsafe-values*
+  (list (format nil "a~CInjected: 1" #\Return)
+        (format nil "a~CInjected: 1" #\Linefeed)
+        (format nil "a~C~CInjected: 1" #\Return #\Linefeed)
+        (format nil "a~CInjected: 1" (code-char 0)))
+  "Values with a CR, a LF, a CRLF and a NUL before an injected header.")
+
+(ht:define-easy-handler (test-echo-header :uri "/test/echo-header") (kind (index :parameter-type 'integer))
+  (let ((value (nth index *unsafe-values*)))
+    (setf (ht:content-type*) "text/plain")
+    (cond ((equal kind "header") (setf (ht:header-out :x-echo) value) "echoed")
+          ((equal kind "cookie") (ht:set-cookie "echo" :value "v" :path value) "echoed")
+          ((equal kind "redirect") (ht:redirect (format nil "/somewhere?~A" value)))
+          ((equal kind "streamed")
+           (setf (ht:header-out :x-echo) value)
+           (let ((stream (ht:send-headers)))
+             (write-sequence (flex:string-to-octets "streamed") stream)
+             nil)))))
+
+(defun unsafe-reply (server kind index)
+  "The whole reply, as a Latin-1 string, SERVER sends for KIND and value INDEX."
+  (with-connection (socket server)
+    (send-text socket (get-request (format nil "/test/echo-header?kind=~A&index=~D" kind index)))
+    (read-whole-reply socket nil)))
+
+(test replies.unsafe-header-values-never-reach-the-wire
+  (uiop:with-temporary-file (:pathname log)
+    (with-server (server (make-server 'parallel-easy-acceptor :message-log-destination log))
+      (dolist (kind '("header" "cookie" "redirect" "streamed"))
+        (dotimes (index (length *unsafe-values*))
+          (let* ((reply (unsafe-reply server kind index))
+                 (head (subseq reply 0 (or (search (crlf-lines "" "") reply) (length reply)))))
+            (is (eql 0 (search "HTTP/1.1 500" reply)) "~A ~D: ~S" kind index reply)
+            (is (not (search "Injected" reply)) "~A ~D: the value reached the wire: ~S" kind index reply)
+            (is (not (find (code-char 0) head)) "~A ~D: a NUL in the head" kind index)
+            (is (every (lambda (position) (and (plusp position) (char= #\Return (char head (1- position)))))
+                       (loop for position = (position #\Linefeed head) then (position #\Linefeed head :start (1+ position))
+                             while position collect position))
+                "~A ~D: a bare LF in the head" kind index)
+            (is (not (cl-ppcre:scan (format nil "~C[^~C]" #\Return #\Linefeed) head))
+                "~A ~D: a bare CR in the head" kind index))))
+      (is (eql 200 (http-get server "/test/yo")) "the server goes on serving"))
+    (let ((logged (uiop:read-file-string log)))
+      (is (search "X-Echo was refused" logged) "the header's name is logged")
+      (is (search "Set-Cookie was refused" logged))
+      (is (search "Location was refused" logged))
+      (is (not (search "Injected" logged)) "the value is never logged"))))

@@ -107,8 +107,33 @@ headers, method, URI, protocol; or the status code alone."
 
 (test head.other-http-versions-are-505
   (is (eql 505 (parse-status "GET / HTTP/2.0")))
-  (is (eql 505 (parse-status "GET / HTTP/1.2")))
+  (is (eql 505 (parse-status "GET / HTTP/0.9")))
   (is (eq :accepted (parse-status "GET / HTTP/1.0"))))
+
+(test head.later-http-1-minor-versions-are-read-as-1.1
+  ;; RFC 9112 2.3.
+  (is (eq :http/1.1 (fourth (parse-head "GET / HTTP/1.2" "Host: x"))))
+  (is (eq :http/1.1 (fourth (parse-head "GET / HTTP/1.9" "Host: x")))))
+
+(test head.over-long-methods-are-501
+  (is (eql 501 (parse-status (format nil "~A / HTTP/1.1" (make-string 33 :initial-element #\X)) "Host: x")))
+  (is (eql 501 (parse-status (format nil "~A / HTTP/1.1" (make-string 1024 :initial-element #\G)) "Host: x")))
+  (is (eq :accepted (parse-status (format nil "~A / HTTP/1.1" (make-string 32 :initial-element #\X)) "Host: x")))
+  (is (eq :accepted (parse-status "VERSION-CONTROL / HTTP/1.1" "Host: x"))))
+
+(defun expects-continue (&rest lines)
+  (let ((octets (apply #'head-octets (append lines '("")))))
+    (destructuring-bind (status request-start request-line-end head-end) (scan-head octets)
+      (declare (ignore status))
+      (and (hunchentoot-recycling-taskmaster::expects-continue-p
+            (hunchentoot-recycling-taskmaster::parse-request-head octets request-start request-line-end head-end))
+           t))))
+
+(test head.expect-100-continue-only-in-http-1.1
+  ;; RFC 9110 10.1.1: a server ignores it in an HTTP/1.0 request.
+  (is-true (expects-continue "POST / HTTP/1.1" "Host: x" "Content-Length: 5" "Expect: 100-continue"))
+  (is-false (expects-continue "POST / HTTP/1.0" "Content-Length: 5" "Expect: 100-continue"))
+  (is-false (expects-continue "POST / HTTP/1.1" "Host: x" "Content-Length: 5")))
 
 (test head.ambiguous-body-length-is-400
   (is (eql 400 (parse-status "POST / HTTP/1.1" "Content-Length: 5" "Transfer-Encoding: chunked")))

@@ -26,6 +26,10 @@
    (expecting-crlf-p
     :initform nil :accessor expecting-crlf-p
     :documentation "True when the CRLF that ends a chunk's data comes next.")
+   (last-chunk-read-p
+    :initform nil :accessor last-chunk-read-p
+    :documentation "True once the last chunk's size line has been read
+after data the buffer still holds: the next refill reads the trailers.")
    (finished-p
     :initform nil :accessor body-finished-p
     :documentation "True once the last chunk and the trailer section have
@@ -102,19 +106,40 @@ string of Latin-1 characters; at most LIMIT octets."
                     (malformed-body stream "~A longer than ~D octets" what limit))
                    (t (vector-push-extend (code-char octet) line))))))
 
-(defun parse-chunk-size (stream line)
-  "The chunk size that LINE, a chunk-size line, starts with.  Chunk
-extensions after it are ignored, as RFC 9112 allows."
-  (let ((digits-end (or (position-if-not (lambda (char) (digit-char-p char 16)) line)
-                        (length line))))
-    (when (zerop digits-end)
-      (malformed-body stream "chunk-size line without a size"))
-    (when (> digits-end +max-chunk-size-digits+)
-      (malformed-body stream "chunk size of more than ~D hexadecimal digits" +max-chunk-size-digits+))
-    (unless (or (= digits-end (length line))
-                (find (char line digits-end) '(#\; #\Space #\Tab)))
-      (malformed-body stream "chunk size followed by ~S" (char line digits-end)))
-    (parse-integer line :end digits-end :radix 16)))
+(defun read-chunk-size (stream inner)
+  "Read the next chunk-size line of INNER, up to its CRLF, octet by octet
+and without making a string of it: a body of one-octet chunks has one per
+octet.  Returns the size; chunk extensions after it are ignored, as RFC
+9112 allows, but count towards +MAX-CHUNK-LINE-BYTES+."
+  (let ((size 0)
+        (digits 0)
+        (line-octets 0))
+    (declare (type fixnum digits line-octets) (type (integer 0) size))
+    (flet ((line-end (octet)
+             ;; OCTET is a CR or a LF: the line ends here, or is malformed.
+             (if (and (= octet +cr+) (= (read-body-octet stream inner) +lf+))
+                 (return-from read-chunk-size size)
+                 (malformed-body stream "a chunk-size line ~:[ends with a bare LF~;has a CR not followed by LF~]"
+                                 (= octet +cr+))))
+           (count-octet ()
+             (when (> (incf line-octets) +max-chunk-line-bytes+)
+               (malformed-body stream "a chunk-size line longer than ~D octets" +max-chunk-line-bytes+))))
+      (loop for octet = (read-body-octet stream inner)
+            for digit = (and (< octet 128) (digit-char-p (code-char octet) 16))
+            while digit
+            do (when (> (incf digits) +max-chunk-size-digits+)
+                 (malformed-body stream "chunk size of more than ~D hexadecimal digits" +max-chunk-size-digits+))
+               (count-octet)
+               (setf size (+ (* 16 size) digit))
+            finally (cond ((zerop digits) (malformed-body stream "chunk-size line without a size"))
+                          ((or (= octet +cr+) (= octet +lf+)) (line-end octet))
+                          ((not (member octet '(59 32 9))) ; ; SP HT
+                           (malformed-body stream "chunk size followed by ~S" (code-char octet)))))
+      ;; Extensions: skipped to the line's end.
+      (loop (let ((octet (read-body-octet stream inner)))
+              (if (or (= octet +cr+) (= octet +lf+))
+                  (line-end octet)
+                  (count-octet)))))))
 
 (defun trailer-field (line)
   "The (keyword . value) pair of the trailer field LINE when its name is
@@ -147,35 +172,59 @@ off, so that STREAM reads INNER's next octets unchanged."
         (body-finished-p stream) t)
   nil)
 
+(defun read-chunk-data (stream inner buffer start end)
+  "Read the octets of BUFFER from START below END from INNER; one octet by
+itself, the commonest piece of a body sent in tiny chunks."
+  (if (= end (1+ start))
+      (setf (aref buffer start) (read-body-octet stream inner))
+      (when (< (read-sequence buffer inner :start start :end end) end)
+        (error 'chunga:input-chunking-unexpected-end-of-file :stream stream))))
+
 (defmethod refill-chunk-buffer ((stream chunked-body-stream))
-  (let ((inner (chunga:chunked-stream-stream stream)))
+  "Fill the chunk buffer with as many chunks' data as it takes: the engine
+hands a handler only a body that has arrived whole, so reading on past a
+chunk never waits, and a body of tiny chunks costs one refill per buffer,
+not per chunk.  The last chunk ends the body at the next refill."
+  (let ((inner (chunga:chunked-stream-stream stream))
+        (buffer (chunk-buffer stream))
+        (count 0)
+        (remaining (chunk-remaining stream)))
+    (declare (type fixnum count) (type (integer 0) remaining) (type octets buffer))
     (when (body-failure stream)
       (error (body-failure stream)))
-    (when (zerop (chunk-remaining stream))
-      (when (expecting-crlf-p stream)
-        (unless (and (= (read-body-octet stream inner) +cr+) (= (read-body-octet stream inner) +lf+))
-          (malformed-body stream "chunk data not followed by CRLF")))
-      (let ((size (parse-chunk-size stream (read-body-line stream inner +max-chunk-line-bytes+
-                                                           "a chunk-size line"))))
-        (when (zerop size)
-          (return-from refill-chunk-buffer (end-chunked-body stream inner)))
-        (let ((left (body-octets-left stream)))
-          (when left
-            (when (> size left)
-              (refuse-body stream (make-condition 'request-body-too-large :stream stream :limit
-                                                  (acceptor-max-body-bytes hunchentoot:*acceptor*))))
-            (setf (body-octets-left stream) (- left size))))
-        (setf (chunk-remaining stream) size)))
-    (let* ((buffer (chunk-buffer stream))
-           (wanted (min (chunk-remaining stream) (length buffer)))
-           (count (read-sequence buffer inner :end wanted)))
-      (when (< count wanted)
-        (error 'chunga:input-chunking-unexpected-end-of-file :stream stream))
-      (decf (chunk-remaining stream) count)
-      (setf (expecting-crlf-p stream) (zerop (chunk-remaining stream))
-            (chunk-buffer-index stream) 0
-            (chunk-buffer-limit stream) count)
-      count)))
+    (when (last-chunk-read-p stream)
+      (return-from refill-chunk-buffer (end-chunked-body stream inner)))
+    (loop
+      (when (zerop remaining)
+        (when (expecting-crlf-p stream)
+          (unless (and (= (read-body-octet stream inner) +cr+) (= (read-body-octet stream inner) +lf+))
+            (malformed-body stream "chunk data not followed by CRLF"))
+          (setf (expecting-crlf-p stream) nil))
+        (let ((size (read-chunk-size stream inner)))
+          (when (zerop size)
+            (when (zerop count)
+              (return-from refill-chunk-buffer (end-chunked-body stream inner)))
+            (setf (last-chunk-read-p stream) t)
+            (return))
+          (let ((left (body-octets-left stream)))
+            (when left
+              (when (> size left)
+                (refuse-body stream (make-condition 'request-body-too-large :stream stream :limit
+                                                    (acceptor-max-body-bytes hunchentoot:*acceptor*))))
+              (setf (body-octets-left stream) (- left size))))
+          (setf remaining size)))
+      (let ((wanted (min remaining (- (length buffer) count))))
+        (read-chunk-data stream inner buffer count (+ count wanted))
+        (incf count wanted)
+        (decf remaining wanted)
+        (when (zerop remaining)
+          (setf (expecting-crlf-p stream) t))
+        (when (= count (length buffer))
+          (return))))
+    (setf (chunk-remaining stream) remaining
+          (chunk-buffer-index stream) 0
+          (chunk-buffer-limit stream) count)
+    count))
 
 ;;; Finding where a chunked body ends while it arrives.  The engine reads a
 ;;; chunked body that has not all come with its head as it reads a

@@ -205,18 +205,21 @@ in the buffer, whose head ends at HEAD-END and octets at END."
 (defun arriving-chunk-framing (headers buffer head-end end max-body-bytes)
   "When HEADERS declare a chunked body whose end is not among the octets of
 BUFFER from HEAD-END below END, the CHUNK-FRAMING that has followed them;
-else NIL (the whole body is there, or its framing is refused, which the
-decoder then finds too)."
+when its framing there is refused, NIL and the status to refuse the
+request with (400, 413), before any handler reads it; else NIL (no
+chunked body, or all of it is there)."
   (when (assoc :transfer-encoding headers)
     (let ((framing (make-chunk-framing max-body-bytes)))
-      (when (eq (scan-chunk-framing framing buffer head-end end) :incomplete)
-        framing))))
+      (multiple-value-bind (state status) (scan-chunk-framing framing buffer head-end end)
+        (case state
+          (:incomplete framing)
+          (:refuse (values nil status)))))))
 
 (defun start-reading-body (engine connection head length framing buffer head-end end)
   "Make the body of HEAD (LENGTH octets, or chunked as FRAMING follows) that
 has begun to arrive in BUFFER from HEAD-END below END CONNECTION's
 ARRIVING-BODY, after a 100 Continue if its client waits for one."
-  (when (expects-continue-p (request-head-headers head))
+  (when (expects-continue-p head)
     (write-sequence *continue-reply* (connection-stream connection))
     (force-output (connection-stream connection)))
   (start-arriving-body (engine-readiness-set engine) connection head length framing buffer head-end end))
@@ -236,7 +239,8 @@ clients' octets."
                    (return-from answer-buffered-request (values :refuse (refused-status condition))))))
          (headers (request-head-headers head))
          (acceptor (engine-acceptor engine))
-         (framing nil))
+         (framing nil)
+         (framing-refusal nil))
     (cond ((and (assoc :transfer-encoding headers)
                 (not (hunchentoot:acceptor-input-chunking-p acceptor)))
            ;; This acceptor takes no chunked body: RFC 9112 6.3 says 411.
@@ -248,7 +252,13 @@ clients' octets."
            (start-reading-body engine connection head (parse-integer (cdr (assoc :content-length headers))) nil
                                buffer head-end end)
            :body-started)
-          ((setf framing (arriving-chunk-framing headers buffer head-end end (acceptor-max-body-bytes acceptor)))
+          ((progn (setf (values framing framing-refusal)
+                        (arriving-chunk-framing headers buffer head-end end (acceptor-max-body-bytes acceptor)))
+                  framing-refusal)
+           ;; Refused before dispatch: a client's mistake costs no handler
+           ;; and no backtrace.
+           (values :refuse framing-refusal))
+          (framing
            (start-reading-body engine connection head nil framing buffer head-end end)
            :body-started)
           (t
@@ -258,7 +268,7 @@ clients' octets."
                  (if body-p (content-stream-for headers stream buffer head-end end) stream)
                (multiple-value-bind (outcome status)
                    (answer-parsed-request engine worker connection head content-stream chunked-p
-                                          (expects-continue-p headers))
+                                          (expects-continue-p head))
                  (if (eq outcome :keep-alive)
                      ;; A chunked body read only in part leaves no way to
                      ;; find where the next request starts.

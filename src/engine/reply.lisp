@@ -84,28 +84,68 @@ Hunchentoot's header stream writes them; a character outside Latin-1 as ?."
   (push-octet +lf+ head))
 
 (defun push-header-line (name value head)
-  "Push the header line NAME: VALUE.  A string value's lines become
-continuation lines and its empty lines are dropped, a number is written in
-decimal, anything else as PRINC writes it: as Hunchentoot writes headers."
+  "Push the header line NAME: VALUE, VALUE as Hunchentoot writes it: a
+number in decimal, anything but a string as PRINC writes it.  VALUE has no
+CR, LF or NUL (REFUSE-UNSAFE-HEADER-VALUES)."
   (push-text name head)
   (push-octet #.(char-code #\:) head)
   (push-octet #.(char-code #\Space) head)
   (if (typep value '(integer 0))
-      (progn (push-decimal value head) (push-crlf head))
-      (push-header-value (if (stringp value) value (princ-to-string value)) head)))
+      (push-decimal value head)
+      (push-text (header-text value) head))
+  (push-crlf head))
 
-(defun push-header-value (text head)
-  "Push TEXT, a header's value, with its end of line."
-  (loop with first-p = t
-        for start = 0 then (1+ end)
-        for end = (or (position #\Newline text :start start) (length text))
-        do (when (< start end)
-             (unless first-p (push-octet #.(char-code #\Tab) head))
-             (push-text text head :start start :end end)
-             (push-crlf head)
-             (setf first-p nil))
-        while (< end (length text))
-        finally (when first-p (push-crlf head))))
+;;; Header values that would end their line early.
+
+(defun header-text (value)
+  "The text a header's VALUE is written as."
+  (if (stringp value) value (princ-to-string value)))
+
+(defun unsafe-header-text-p (text)
+  "True when TEXT has a CR, LF or NUL: written in a header, the line would
+end there and the rest read as another header or the body (RFC 9112 2.2)."
+  (declare (type string text))
+  (find-if (lambda (char) (or (char= char #\Return) (char= char #\Linefeed) (char= char #\Nul))) text))
+
+(defun refuse-unsafe-header-values (reply)
+  "Signal HEADER-VALUE-REFUSED for the first of REPLY's headers or cookies
+whose value is unsafe (UNSAFE-HEADER-TEXT-P), after taking it out of REPLY
+and marking the headers unsent, so that the 500 the request gets instead
+can be written.  Takes only REPLY, so that a backtrace of the error shows
+no header's value."
+  (flet ((refuse (name remove)
+           (setf (headers-sent-p) nil)
+           (funcall remove)
+           (error 'header-value-refused :name name)))
+    (loop for entry in (reply-headers reply)
+          for (name . value) = entry
+          when (and value (not (integerp value)) (unsafe-header-text-p (header-text value)))
+            do (refuse (chunga:as-capitalized-string name)
+                       (lambda () (setf (hunchentoot:header-out name reply) nil))))
+    (loop for entry in (hunchentoot:cookies-out reply)
+          when (unsafe-header-text-p (cookie-header-value (cdr entry)))
+            do (refuse "Set-Cookie"
+                       (lambda () (setf (hunchentoot:cookies-out reply)
+                                        (remove entry (hunchentoot:cookies-out reply))))))))
+
+(defmethod hunchentoot:headers-out :around ((reply parallel-reply))
+  "The headers as they are read to be written (the headers are then marked
+sent: HUNCHENTOOT:START-OUTPUT marks them just before it reads them),
+refused when a value is unsafe (REFUSE-UNSAFE-HEADER-VALUES), and with
+Keep-Alive naming the acceptor's KEEP-ALIVE-TIMEOUT: START-OUTPUT writes
+timeout=<read timeout> when a client asks to be kept alive, but a parallel
+acceptor closes an idle connection after KEEP-ALIVE-TIMEOUT, and a client
+told otherwise would send its next request on a connection being closed.
+Hunchentoot's (SETF HEADER-OUT) cannot be specialized on the reply, its
+optional argument: hence the reader."
+  (let ((headers (call-next-method)))
+    (when (headers-sent-p)
+      (refuse-unsafe-header-values reply)
+      (when *keep-alive-header-value*
+        (let ((entry (assoc :keep-alive headers)))
+          (when entry
+            (setf (cdr entry) *keep-alive-header-value*)))))
+    headers))
 
 (defun make-status-line (return-code)
   (map 'octets #'char-code (format nil "HTTP/1.1 ~D ~A~C~C" return-code (hunchentoot:reason-phrase return-code)
@@ -225,16 +265,23 @@ sets them, the access log entry and the reading of an unread body as
 SEND-RESPONSE does.  Returns the REPLY-HEAD."
   (set-connection-headers request)
   (set-server-and-date-headers)
-  (let ((head (or *reply-head* (make-reply-head))))
+  (let ((head (or *reply-head* (make-reply-head)))
+        (reply hunchentoot:*reply*))
     (setf (hunchentoot:header-out :content-length) content-length
           (headers-sent-p) t)
-    (hunchentoot:acceptor-log-access hunchentoot:*acceptor* :return-code return-code)
-    (hunchentoot:raw-post-data :force-binary t)
-    (setf (reply-head-end head) 0)
-    (push-octets (status-line return-code) head)
-    (loop for (name . value) in (hunchentoot:headers-out*)
-          when value
-            do (push-header-line (chunga:as-capitalized-string name) value head))
+    ;; Read once the headers are marked sent: a PARALLEL-REPLY's are checked
+    ;; as they are read; any other's here.  Before the access log, which
+    ;; would otherwise log a reply that is not sent.
+    (let ((headers (hunchentoot:headers-out reply)))
+      (unless (typep reply 'parallel-reply)
+        (refuse-unsafe-header-values reply))
+      (hunchentoot:acceptor-log-access hunchentoot:*acceptor* :return-code return-code)
+      (hunchentoot:raw-post-data :force-binary t)
+      (setf (reply-head-end head) 0)
+      (push-octets (status-line return-code) head)
+      (loop for (name . value) in headers
+            when value
+              do (push-header-line (chunga:as-capitalized-string name) value head)))
     (loop for (nil . cookie) in (hunchentoot:cookies-out*)
           do (push-header-line "Set-Cookie" (cookie-header-value cookie) head))
     (push-crlf head)

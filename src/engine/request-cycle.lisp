@@ -101,21 +101,6 @@ a kept-alive connection stays open.  NIL elsewhere.")
 (defun keep-alive-header-value (acceptor)
   (format nil "timeout=~D" (floor (acceptor-keep-alive-timeout acceptor))))
 
-(defmethod hunchentoot:headers-out :around ((reply parallel-reply))
-  "HUNCHENTOOT:START-OUTPUT writes Keep-Alive: timeout=<read timeout> when a
-client asks to be kept alive, but a parallel acceptor closes an idle
-connection after KEEP-ALIVE-TIMEOUT: the header, as read to be written,
-names that, or the client would send its next request on a connection
-being closed.  (START-OUTPUT overwrites any value a handler set, here as
-in Hunchentoot.)  Hunchentoot's (SETF HEADER-OUT) cannot be specialized on
-the reply, its optional argument: hence the reader."
-  (let ((headers (call-next-method)))
-    (when *keep-alive-header-value*
-      (let ((entry (assoc :keep-alive headers)))
-        (when entry
-          (setf (cdr entry) *keep-alive-header-value*))))
-    headers))
-
 (defun answer-request (acceptor head addresses connection-stream content-stream chunked-p)
   "Answer one request, whose REQUEST-HEAD is HEAD, as Hunchentoot's
 PROCESS-CONNECTION does: make the request of ACCEPTOR's request class (with

@@ -147,8 +147,10 @@ and a keyword exists for every name that code mentions."
   (values start end))
 
 (defun parse-protocol (buffer start end)
-  ":HTTP/1.1 or :HTTP/1.0; refuses another HTTP version with 505, anything
-else with 400."
+  ":HTTP/1.1 or :HTTP/1.0; a later HTTP/1 minor version is read as 1.1, as
+RFC 9112 2.3 asks (a recipient processes it as the highest minor version it
+conforms to); refuses another major version with 505, anything else with
+400."
   (flet ((digit-at (offset)
            (let ((octet (aref buffer (+ start offset))))
              (and (<= 48 octet 57) (- octet 48)))))
@@ -160,20 +162,26 @@ else with 400."
              (= (aref buffer (+ start 6)) 46)
              (digit-at 7))
         (cond ((/= 1 (digit-at 5)) (refuse-head 505))
-              ((= 1 (digit-at 7)) :http/1.1)
               ((= 0 (digit-at 7)) :http/1.0)
-              (t (refuse-head 505)))
+              (t :http/1.1))
         (refuse-head 400))))
+
+(defconstant +max-method-octets+ 32
+  "The longest method taken; a longer one is none this server implements
+(the longest registered is 17 octets).")
 
 (defun parse-request-line (buffer start end)
   "The method symbol, URI string and protocol keyword of the request line in
-BUFFER from START below END.  Refuses a malformed line with 400, another
+BUFFER from START below END.  Refuses a malformed line with 400, a method
+over +MAX-METHOD-OCTETS+ with 501 (RFC 9110 9.1: not implemented), another
 HTTP version with 505."
   (let ((method-end (or (position 32 buffer :start start :end end) end)))
     (when (or (= method-end start) (= method-end end)
               (not (loop for index from start below method-end
                          always (token-octet-p (aref buffer index)))))
       (refuse-head 400))
+    (when (> (- method-end start) +max-method-octets+)
+      (refuse-head 501))
     (let* ((uri-start (1+ method-end))
            (uri-end (or (position 32 buffer :start uri-start :end end) end))
            (protocol-start (1+ uri-end)))
@@ -301,6 +309,49 @@ Host header (3.2.2)."
           (host (setf (cdr host) authority) headers)
           (t (append headers (list (cons :host authority)))))))
 
+(defun byte-ranges-specifier-p (value)
+  "True when VALUE is a valid bytes ranges-specifier (RFC 9110 14.1.1): bytes=
+and one or more comma-separated first-last (last not below first),
+first- or -suffix ranges, with optional whitespace."
+  (let ((equals (position #\= value)))
+    (and equals
+         (string-equal "bytes" (string-trim " 	" (subseq value 0 equals)))
+         (let ((specs (remove "" (mapcar (lambda (spec) (string-trim " 	" spec))
+                                         (split-on-commas (subseq value (1+ equals))))
+                              :test #'string=)))
+           (and specs
+                (every (lambda (spec)
+                         (let ((dash (position #\- spec)))
+                           (flet ((digits (start end)
+                                    (and (< start end)
+                                         (every #'digit-char-p (subseq spec start end))
+                                         (parse-integer spec :start start :end end))))
+                             (and dash
+                                  (if (zerop dash)
+                                      (digits 1 (length spec))
+                                      (let ((first (digits 0 dash)))
+                                        (and first
+                                             (or (= dash (1- (length spec)))
+                                                 (let ((last (digits (1+ dash) (length spec))))
+                                                   (and last (<= first last)))))))))))
+                       specs))))))
+
+(defun split-on-commas (text)
+  (loop for start = 0 then (1+ comma)
+        for comma = (position #\, text :start start)
+        collect (subseq text start comma)
+        while comma))
+
+(defun without-invalid-range (headers)
+  "HEADERS without a Range header that is not a valid bytes
+ranges-specifier: RFC 9110 14.2 lets a server ignore one, and ignoring it
+here means every handler does (Hunchentoot's HANDLE-STATIC-FILE would
+answer bytes=5-2 with 206 and a negative Content-Length)."
+  (let ((range (assoc :range headers)))
+    (if (and range (not (byte-ranges-specifier-p (cdr range))))
+        (remove range headers)
+        headers)))
+
 (defstruct (request-head (:constructor make-request-head (headers method uri protocol)))
   "A parsed request head: what Hunchentoot's GET-REQUEST-DATA returns."
   ;; The headers alist, names as PARSE-HEADER-LINES makes them.
@@ -321,13 +372,14 @@ Host header (3.2.2)."
   "Parse the complete head that SCAN-REQUEST-HEAD found into a REQUEST-HEAD.
 Signals REQUEST-HEAD-REFUSED with 400 for a malformed head, an ambiguous
 body length or a missing or invalid Host, 501 for a transfer coding other
-than chunked, 505 for another HTTP version."
+than chunked or an over-long method, 505 for another HTTP version.  An
+invalid Range header is left out."
   (multiple-value-bind (method uri protocol)
       (parse-request-line buffer request-start (line-end-before-lf buffer request-start request-line-end))
     (let* ((blank-line-start (if (= (aref buffer (- head-end 2)) +cr+) (- head-end 2) (1- head-end)))
            (headers (parse-header-lines buffer (1+ request-line-end) blank-line-start)))
       (check-message-framing headers protocol)
-      (make-request-head (check-host headers uri protocol) method uri protocol))))
+      (make-request-head (without-invalid-range (check-host headers uri protocol)) method uri protocol))))
 
 (defun head-refused-status (buffer request-start request-line-end head-end)
   "The status the complete head in BUFFER is refused with, or NIL when it
@@ -347,9 +399,14 @@ limit).  The head parser has made sure the value is digits."
     (and max-body-bytes content-length
          (> (parse-integer content-length) max-body-bytes))))
 
-(defun expects-continue-p (headers)
-  (let ((expect (cdr (assoc :expect headers))))
-    (and expect (search "100-continue" expect :test #'char-equal))))
+(defun expects-continue-p (head)
+  "True when the request of HEAD waits for 100 Continue before its body:
+Expect: 100-continue, ignored in HTTP/1.0 (RFC 9110 10.1.1), which has no
+1xx replies."
+  (let ((expect (cdr (assoc :expect (request-head-headers head)))))
+    (and expect
+         (eq (request-head-protocol head) :http/1.1)
+         (search "100-continue" expect :test #'char-equal))))
 
 ;;; The replies a refused head gets.
 
@@ -363,7 +420,8 @@ limit).  The head parser has made sure the value is digits."
     (431 :header-too-large-replies "Request Header Fields Too Large"
      "The request has too many header lines, or they are too long.")
     (500 :body-not-stored-replies "Internal Server Error" "The request body could not be stored.")
-    (501 :not-implemented-replies "Not Implemented" "The request's transfer coding is not implemented here.")
+    (501 :not-implemented-replies "Not Implemented"
+     "The request's method or transfer coding is not implemented here.")
     (503 :queue-timeout-replies "Service Unavailable"
      "Every worker of this server was busy for too long.  Please try again later.")
     (505 :version-not-supported-replies "HTTP Version Not Supported" "Use HTTP/1.0 or HTTP/1.1."))
