@@ -117,6 +117,10 @@ HUNCHENTOOT:*TMP-DIRECTORY* (which cannot be made, is not writable, or is
 full).  The engine handles it: the message is logged, the client answered
 500 and the connection closed; the handler never runs."))
 
+(defgeneric refused-header-name (condition)
+  (:documentation "The name of the header a HEADER-VALUE-REFUSED refused
+(Set-Cookie for a cookie)."))
+
 (define-condition header-value-refused (recycling-taskmaster-error)
   ((name :initarg :name :reader refused-header-name
          :documentation "The header's name (Set-Cookie for a cookie).  Its
