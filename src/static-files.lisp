@@ -360,7 +360,7 @@ root or the path is refused."
                (list (find-class 'static-document-root) (find-class t))))
 
 (defvar *serve-document-root-method*
-  (make-replacing-method '(acceptor request) #'serve-document-root)
+  (make-replacing-method '(acceptor request) 'serve-document-root)
   "SERVE-DOCUMENT-ROOT as a method, to stand in Hunchentoot's last one's place.")
 
 (defstruct (dispatch-chain (:constructor make-dispatch-chain (methods-list acceptor-class request-class methods)))

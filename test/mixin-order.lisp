@@ -122,35 +122,35 @@ with an ETag: the engine sent it."
                          ("/page.html" 200 "application: /page.html" "text/html; charset=utf-8" nil)
                          ("/test/yo" 200 "application: /test/yo" "text/html; charset=utf-8" nil))))
 
+(defun add-intercepting-method (qualifiers path answer)
+  "Define, as a user would while a server runs, an ACCEPTOR-DISPATCH-REQUEST
+method with QUALIFIERS on PARALLEL-THEN-GREETING that answers PATH with
+ANSWER and passes every other request on; the method."
+  (eval `(defmethod ht:acceptor-dispatch-request ,@qualifiers ((acceptor parallel-then-greeting) request)
+           (if (equal (ht:script-name request) ,path)
+               ,answer
+               (call-next-method)))))
+
 (test mixin-order.dispatch-method-added-while-serving-is-seen
   ;; The document root's place in the chain is kept until the generic
   ;; function's methods change: a method defined while the server runs
   ;; counts from its next request, as on Hunchentoot's acceptor.
-  (let ((root (make-document-root)))
+  (let ((root (make-document-root))
+        (methods '()))
     (unwind-protect
          (with-server (server (make-server 'parallel-then-greeting :document-root root))
            (is (equal '(200 "<p>page</p>") (subseq (answer server "/page.html") 0 2)))
-           (let ((method (eval '(defmethod ht:acceptor-dispatch-request :around
-                                    ((acceptor parallel-then-greeting) request)
-                                  (if (equal (ht:script-name request) "/page.html")
-                                      "intercepted"
-                                      (call-next-method))))))
-             (unwind-protect
-                  (progn
-                    (is (equal '(200 "intercepted") (subseq (answer server "/page.html") 0 2)))
-                    (let ((primary (eval '(defmethod ht:acceptor-dispatch-request
-                                              ((acceptor parallel-then-greeting) request)
-                                            (if (equal (ht:script-name request) "/note.txt")
-                                                "primary"
-                                                (call-next-method))))))
-                      (unwind-protect
-                           (progn
-                             (is (equal '(200 "primary") (subseq (answer server "/note.txt") 0 2)))
-                             (is (equal `(200 ,(first (later-mixin-answer "hello bob")))
-                                        (subseq (answer server "/hello/bob") 0 2))))
-                        (remove-method #'ht:acceptor-dispatch-request primary)))
-                    (is (equal '(200 "café") (subseq (answer server "/note.txt") 0 2))))
-               (remove-method #'ht:acceptor-dispatch-request method))))
+           (push (add-intercepting-method '(:around) "/page.html" "intercepted") methods)
+           (is (equal '(200 "intercepted") (subseq (answer server "/page.html") 0 2)))
+           (push (add-intercepting-method '() "/note.txt" "primary") methods)
+           (is (equal '(200 "primary") (subseq (answer server "/note.txt") 0 2)))
+           (is (equal `(200 ,(first (later-mixin-answer "hello bob")))
+                      (subseq (answer server "/hello/bob") 0 2)))
+           (remove-method #'ht:acceptor-dispatch-request (pop methods))
+           (is (equal '(200 "café") (subseq (answer server "/note.txt") 0 2))
+               "and a method removed is gone from the chain"))
+      (dolist (method methods)
+        (remove-method #'ht:acceptor-dispatch-request method))
       (uiop:delete-directory-tree root :validate t))))
 
 ;;; The library's methods on generic functions of others.
