@@ -125,29 +125,21 @@ one (RFC 9110 15.3.7.2 lets a server coalesce them, whatever their order)."
   "The ranges the Range HEADER-VALUE asks of a file of SIZE octets: a list
 of (START . END) with END exclusive, clamped to the file, overlapping and
 adjacent ones coalesced; :UNSATISFIABLE when none overlaps it; NIL when the
-header is to be ignored and the whole file sent once: malformed, a unit
-other than bytes, more than +MAX-BYTE-RANGES+ ranges, or ranges adding up
-to more than the file (as nginx does: 64 times 0- is one file, not 64)."
-  (let ((specs (cl-ppcre:register-groups-bind (list) ("^\\s*bytes\\s*=\\s*(.*?)\\s*$" header-value)
-                 (cl-ppcre:split "\\s*,\\s*" list))))
+header is to be ignored and the whole file sent once: not a bytes
+ranges-specifier (PARSE-RANGE-SPECS), more than +MAX-BYTE-RANGES+ ranges,
+or ranges adding up to more than the file (as nginx does: 64 times 0- is
+one file, not 64)."
+  (let ((specs (parse-range-specs header-value)))
     (when (and specs (<= (length specs) +max-byte-ranges+))
-      (let ((ranges '()))
-        (dolist (spec specs)
-          (let ((range (or (cl-ppcre:register-groups-bind ((#'parse-integer start last)) ("^(\\d+)-(\\d+)?$" spec)
-                             ;; LAST is NIL for an open range.
-                             (cond ((and last (< last start)) (return-from parse-byte-ranges nil))
-                                   ((>= start size) :unsatisfiable)
-                                   (t (cons start (if last (min size (1+ last)) size)))))
-                           (cl-ppcre:register-groups-bind ((#'parse-integer length)) ("^-(\\d+)$" spec)
-                             (if (or (zerop length) (zerop size))
-                                 :unsatisfiable
-                                 (cons (max 0 (- size length)) size)))
-                           (return-from parse-byte-ranges nil))))
-            (unless (eq range :unsatisfiable)
-              (push range ranges))))
+      (let ((ranges (loop for (first . last) in specs
+                          ;; A suffix range is (NIL . LENGTH); LAST is NIL for an open range.
+                          for range = (if first
+                                          (and (< first size) (cons first (if last (min size (1+ last)) size)))
+                                          (and (plusp last) (plusp size) (cons (max 0 (- size last)) size)))
+                          when range collect range)))
         (cond ((null ranges) :unsatisfiable)
               ((> (loop for (start . end) in ranges sum (- end start)) size) nil)
-              (t (coalesced-ranges (nreverse ranges))))))))
+              (t (coalesced-ranges ranges)))))))
 
 ;;; Sending.
 

@@ -205,3 +205,18 @@ headers, method, URI, protocol; or the status code alone."
       (is (equal "yes" (cdr (assoc header-name headers :test #'string-equal)))
           "found by its name, as HUNCHENTOOT:HEADER-IN finds a header named by a string")
       (is (eq :content-type (car (second headers))) "known names are keywords"))))
+
+(test head.range-specs-follow-rfc-9110
+  (flet ((specs (value) (hunchentoot-recycling-taskmaster::parse-range-specs value)))
+    (is (equal '((0 . 4)) (specs "bytes=0-4")))
+    (is (equal '((5 . nil) (nil . 3)) (specs "bytes = 5- , -3")) "open, suffix, spaces")
+    (is (equal '((0 . 0) (0 . nil)) (specs "bytes=0-0,0-")))
+    (dolist (invalid '("bytes=5-2" "lines=1-2" "bytes=" "bytes=0-1,,2-3" "bytes=a-b" "bytes=1" "0-4"
+                       "bytes=-" "bytes=1-2-3" "bytes=+1-2"))
+      (is (null (specs invalid)) "~S is not a bytes ranges-specifier" invalid)))
+  (is (equal '((:host . "x"))
+             (first (parse-head "GET / HTTP/1.1" "Host: x" "Range: bytes=5-2")))
+      "an invalid Range header is left out of the head")
+  (is (equal '((:range . "bytes=2-4") (:host . "x"))
+             (sort (copy-list (first (parse-head "GET / HTTP/1.1" "Host: x" "Range: bytes=2-4")))
+                   #'string> :key (lambda (entry) (string (car entry)))))))

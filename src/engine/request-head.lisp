@@ -309,46 +309,45 @@ Host header (3.2.2)."
           (host (setf (cdr host) authority) headers)
           (t (append headers (list (cons :host authority)))))))
 
-(defun byte-ranges-specifier-p (value)
-  "True when VALUE is a valid bytes ranges-specifier (RFC 9110 14.1.1): bytes=
-and one or more comma-separated first-last (last not below first),
-first- or -suffix ranges, with optional whitespace."
-  (let ((equals (position #\= value)))
-    (and equals
-         (string-equal "bytes" (string-trim " 	" (subseq value 0 equals)))
-         (let ((specs (remove "" (mapcar (lambda (spec) (string-trim " 	" spec))
-                                         (split-on-commas (subseq value (1+ equals))))
-                              :test #'string=)))
-           (and specs
-                (every (lambda (spec)
-                         (let ((dash (position #\- spec)))
-                           (flet ((digits (start end)
-                                    (and (< start end)
-                                         (every #'digit-char-p (subseq spec start end))
-                                         (parse-integer spec :start start :end end))))
-                             (and dash
-                                  (if (zerop dash)
-                                      (digits 1 (length spec))
-                                      (let ((first (digits 0 dash)))
-                                        (and first
-                                             (or (= dash (1- (length spec)))
-                                                 (let ((last (digits (1+ dash) (length spec))))
-                                                   (and last (<= first last)))))))))))
-                       specs))))))
+(defun parse-range-spec (text)
+  "The range-spec TEXT (RFC 9110 14.1.1) as (FIRST . LAST), LAST NIL for an
+open range and never below FIRST, or (NIL . LENGTH) for a suffix range;
+NIL when it is none of them."
+  (flet ((number-between (start end)
+           (and (< start end)
+                (loop for index from start below end always (char<= #\0 (char text index) #\9))
+                (parse-integer text :start start :end end))))
+    (let ((dash (position #\- text))
+          (end (length text)))
+      (cond ((null dash) nil)
+            ((zerop dash)
+             (let ((length (number-between 1 end)))
+               (and length (cons nil length))))
+            (t
+             (let ((first (number-between 0 dash)))
+               (cond ((null first) nil)
+                     ((= dash (1- end)) (cons first nil))
+                     (t (let ((last (number-between (1+ dash) end)))
+                          (and last (<= first last) (cons first last)))))))))))
 
-(defun split-on-commas (text)
-  (loop for start = 0 then (1+ comma)
-        for comma = (position #\, text :start start)
-        collect (subseq text start comma)
-        while comma))
+(defun parse-range-specs (value)
+  "The ranges the Range header VALUE asks for, in its order, each as
+PARSE-RANGE-SPEC makes it, when VALUE is a bytes ranges-specifier (RFC 9110
+14.1.1: bytes=, then specs separated by commas, whitespace allowed around
+= and commas); NIL when it is not: another unit, no spec, or a spec that is
+malformed or inverted (bytes=5-2)."
+  (cl-ppcre:register-groups-bind (list) ("^\\s*bytes\\s*=\\s*(.*?)\\s*$" value)
+    (let ((ranges (mapcar #'parse-range-spec (cl-ppcre:split "\\s*,\\s*" list))))
+      (and ranges (every #'identity ranges) ranges))))
 
 (defun without-invalid-range (headers)
   "HEADERS without a Range header that is not a valid bytes
-ranges-specifier: RFC 9110 14.2 lets a server ignore one, and ignoring it
-here means every handler does (Hunchentoot's HANDLE-STATIC-FILE would
-answer bytes=5-2 with 206 and a negative Content-Length)."
+ranges-specifier (PARSE-RANGE-SPECS): RFC 9110 14.2 lets a server ignore
+one, and ignoring it here means every handler does (Hunchentoot's
+HANDLE-STATIC-FILE would answer bytes=5-2 with 206 and a negative
+Content-Length)."
   (let ((range (assoc :range headers)))
-    (if (and range (not (byte-ranges-specifier-p (cdr range))))
+    (if (and range (null (parse-range-specs (cdr range))))
         (remove range headers)
         headers)))
 

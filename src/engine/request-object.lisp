@@ -32,24 +32,24 @@ PROCESS-REQUEST and initializer, as on Hunchentoot's acceptor."))
   (:documentation "The reply class a parallel acceptor uses where its
 HUNCHENTOOT:ACCEPTOR-REPLY-CLASS is Hunchentoot's default, HUNCHENTOOT:REPLY."))
 
+(defun ours-in-place-of (class hunchentoot-default ours)
+  "CLASS (a class or its name), or OURS when CLASS is HUNCHENTOOT-DEFAULT."
+  (if (member class (list hunchentoot-default (find-class hunchentoot-default)))
+      ours
+      class))
+
 (defun engine-request-class (acceptor)
   "The class of the requests the engine makes for ACCEPTOR: its
 HUNCHENTOOT:ACCEPTOR-REQUEST-CLASS, PARALLEL-REQUEST in place of
 HUNCHENTOOT:REQUEST.  Not a default initarg of the parallel acceptors: a
 mixin's own default (hunchensocket's, say) must win whichever side of ours
 it is listed on, as it does beside Hunchentoot's acceptor."
-  (let ((class (hunchentoot:acceptor-request-class acceptor)))
-    (if (member class (list 'hunchentoot:request (find-class 'hunchentoot:request)))
-        'parallel-request
-        class)))
+  (ours-in-place-of (hunchentoot:acceptor-request-class acceptor) 'hunchentoot:request 'parallel-request))
 
 (defun engine-reply-class (acceptor)
   "The class of ACCEPTOR's replies: its HUNCHENTOOT:ACCEPTOR-REPLY-CLASS,
 PARALLEL-REPLY in place of HUNCHENTOOT:REPLY."
-  (let ((class (hunchentoot:acceptor-reply-class acceptor)))
-    (if (member class (list 'hunchentoot:reply (find-class 'hunchentoot:reply)))
-        'parallel-reply
-        class)))
+  (ours-in-place-of (hunchentoot:acceptor-reply-class acceptor) 'hunchentoot:reply 'parallel-reply))
 
 (defmethod slot-unbound (class (request parallel-request) (slot-name (eql 'hunchentoot:get-parameters)))
   "The engine's request constructor leaves a query string it could parse
