@@ -38,8 +38,8 @@ bench-deps: deps
 	@tools/install-deps.sh $(BENCH_PACKAGES)
 
 run: deps
-	$(SBCL) --load tools/setup.lisp \
-	  --eval '(asdf:load-system "hunchentoot-recycling-taskmaster/demo")' \
+	@$(SBCL) --load tools/setup.lisp \
+	  --eval '(load-systems-quietly "hunchentoot-recycling-taskmaster/demo")' \
 	  --eval '(hunchentoot-recycling-taskmaster-demo:main :port $(PORT))'
 
 # The overload test holds a thousand client and a thousand server sockets.

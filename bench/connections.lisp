@@ -185,8 +185,8 @@ or took over 10 s."
                  (loop
                    ;; The stream may hold bytes already read from the socket.
                    (unless (or (listen stream)
-                               (hrt::wait-until-readable
-                                socket (max 1 (- 10000 (round (* 1000 (elapsed-seconds start)))))))
+                               (hrt::wait-until-fd-readable
+                                (hrt::socket-file-descriptor socket) (max 1 (- 10000 (round (* 1000 (elapsed-seconds start)))))))
                      (return nil))
                    (let ((byte (read-byte stream nil)))
                      (unless byte (return nil))

@@ -5,11 +5,6 @@
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
-(defun free-port ()
-  (let ((socket (usocket:socket-listen "127.0.0.1" 0 :reuse-address t)))
-    (prog1 (usocket:get-local-port socket)
-      (usocket:socket-close socket))))
-
 (defun run-wrk (port connections seconds keep-alive-p)
   "Run wrk against /yo on PORT; its output."
   (uiop:run-program (append (list "wrk" "-t2" (format nil "-c~D" connections) (format nil "-d~Ds" seconds))

@@ -86,7 +86,7 @@ HUNCHENTOOT:HEADERS-OUT of a PARALLEL-REPLY checks them as it returns them."
   (setf (slot-value request 'hunchentoot::headers-in) headers))
 
 ;;; What PROCESS-REQUEST and START-OUTPUT are made of, for the engine's own
-;;; PROCESS-REQUEST (engine/reply.lisp).
+;;; PROCESS-REQUEST (engine/serving/reply.lisp).
 
 (defmacro with-request-specials ((request) &body body)
   "Bind the specials Hunchentoot's PROCESS-REQUEST binds around one request:
@@ -125,10 +125,6 @@ error enters the debugger when HUNCHENTOOT:*CATCH-ERRORS-P* is false."
       ;; The handler may have moved or deleted it.
       (ignore-errors (delete-file path)))))
 
-(defun current-backtrace ()
-  "The backtrace Hunchentoot logs and shows with an error."
-  (hunchentoot::get-backtrace))
-
 (defun hunchentoot-start-output (return-code content)
   "Hunchentoot's own START-OUTPUT: headers and CONTENT written through its
 flexi-stream."
@@ -149,7 +145,7 @@ for one explicitly."
   (hunchentoot::stringify-cookie cookie))
 
 ;;; What Hunchentoot's request initializer computes, for the engine's request
-;;; constructor (engine/request-object.lisp), which computes the same fields
+;;; constructor (engine/http/request-object.lisp), which computes the same fields
 ;;; and leaves GET parameters and cookies to be parsed on first use.
 
 (defun request-initializer-method ()

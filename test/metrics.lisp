@@ -16,10 +16,11 @@ Second value: the families named by # TYPE lines."
       (cond ((cl-ppcre:scan "^# HELP [a-zA-Z_:][a-zA-Z0-9_:]* \\S" line))
             ((cl-ppcre:register-groups-bind (name) ("^# TYPE ([a-zA-Z_:][a-zA-Z0-9_:]*) (counter|gauge|histogram)$" line)
                (push name families)))
-            ((cl-ppcre:register-groups-bind (series value)
-                 ("^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\\{[a-zA-Z_][a-zA-Z0-9_]*=\"[^\"]*\"(?:,[a-zA-Z_][a-zA-Z0-9_]*=\"[^\"]*\")*\\})?) (-?[0-9]+(?:\\.[0-9]+)?)$" line)
-               (setf (gethash series samples) (let ((*read-default-float-format* 'double-float))
-                                                (read-from-string value)))))
+            ((multiple-value-bind (match groups)
+                 (cl-ppcre:scan-to-strings "^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\\{[a-zA-Z_][a-zA-Z0-9_]*=\"[^\"]*\"(?:,[a-zA-Z_][a-zA-Z0-9_]*=\"[^\"]*\")*\\})?) (-?[0-9]+(?:\\.[0-9]+)?)$" line)
+               (when match
+                 (setf (gethash (aref groups 0) samples) (let ((*read-default-float-format* 'double-float))
+                                                           (read-from-string (aref groups 1)))))))
             (t (push line bad))))
     (values samples families bad)))
 
@@ -68,3 +69,11 @@ a histogram's _bucket, _sum or _count."
                          series value (gethash series after)))
           (is (< (gethash "hunchentoot_recycling_requests_served_total" before)
                  (gethash "hunchentoot_recycling_requests_served_total" after))))))))
+
+(test metrics.statistics-have-every-documented-key-and-no-other
+  (with-readiness-server (server)
+    (let ((keys (loop for (key) on (taskmaster-statistics server) by #'cddr collect key))
+          (documented (mapcar #'first hunchentoot-recycling-taskmaster::*statistics-keys*)))
+      (is (null (set-difference documented keys)) "missing: ~S" (set-difference documented keys))
+      (is (null (set-difference keys documented)) "not in *STATISTICS-KEYS*: ~S" (set-difference keys documented))
+      (is (= (length keys) (length (remove-duplicates keys))) "each key once"))))

@@ -25,7 +25,7 @@
     (uiop:quit 3)))
 
 (apply #'find-systems-in (mapcar (lambda (folder) (merge-pathnames folder *vendor*)) *vendor-folders*))
-(asdf:load-system "hunchentoot-recycling-taskmaster/compatibility")
+(load-systems-quietly "hunchentoot-recycling-taskmaster/compatibility")
 (multiple-value-bind (all-passed passed failed)
     (uiop:symbol-call '#:hunchentoot-recycling-taskmaster-test '#:run-tests "COMPATIBILITY" "compatibility")
   (let ((counts-file (uiop:getenv "COUNTS_FILE")))

@@ -46,3 +46,40 @@ checkout and Debian's."
            :implementation :**/ :*.*.*))
        :inherit-configuration))
     (format t "~&;; Hunchentoot from ~A~%" hunchentoot)))
+
+;;; Quiet compilation, as Quicklisp's: a first run compiles every dependency,
+;;; whose file names, compiler notes and warnings are not the user's to
+;;; read.  This checkout's own files are compiled without their names and
+;;; notes, but with every warning shown.  The file names are turned off
+;;; globally: ASDF's own PERFORM :AROUND method binds the compiler's
+;;; verbosity again from the values it finds at the start of an operation.
+
+(setf *compile-verbose* nil
+      *compile-print* nil)
+
+(defun this-checkout-component-p (component)
+  "True when COMPONENT is a file of this checkout's systems."
+  (let ((path (asdf:component-pathname component)))
+    (and path (uiop:subpathp path *checkout*))))
+
+(defun call-quietly (component function)
+  "Call FUNCTION, which compiles or loads COMPONENT, without compiler notes,
+and without the warnings of a component that is not this checkout's."
+  (handler-bind ((sb-ext:compiler-note #'muffle-warning)
+                 (warning (lambda (condition)
+                            (unless (this-checkout-component-p component)
+                              (muffle-warning condition)))))
+    (funcall function)))
+
+(defmethod asdf:perform :around ((operation asdf:compile-op) (component asdf:cl-source-file))
+  (call-quietly component #'call-next-method))
+
+(defmethod asdf:perform :around ((operation asdf:load-op) (component asdf:cl-source-file))
+  (call-quietly component #'call-next-method))
+
+(defun load-systems-quietly (&rest systems)
+  "Load SYSTEMS as ASDF:LOAD-SYSTEM does, without what ASDF says of other
+projects' system definition files (Debian's hold secondary systems ASDF
+warns about)."
+  (handler-bind ((asdf/parse-defsystem:bad-system-name #'muffle-warning))
+    (mapc #'asdf:load-system systems)))

@@ -2,7 +2,7 @@
 ;;;; The pool (src/pool/) calls only these generic functions; an engine is
 ;;;; chosen once, at the first HUNCHENTOOT:START, by the acceptor's
 ;;;; :CONNECTION-ENGINE, and the pool never asks which one it has.  The
-;;;; readiness engine (engine/readiness-engine.lisp) is the one there is.
+;;;; readiness engine (engine/readiness/, engine/serving/) is the one there is.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 

@@ -17,13 +17,9 @@ heads, parking it), :IN-REQUEST (from a complete head to the reply sent), or
   (connection nil)
   ;; Taken to let go of CONNECTION, and by STOP to shut it down.
   (connection-lock (bt:make-lock "worker-connection") :read-only t)
-  ;; The engine's per-worker scratch space (the readiness engine reads
-  ;; request heads into it).
-  (buffer nil)
   (requests-served 0 :type fixnum))
 
 (defmethod print-object ((worker worker) stream)
-  ;; The default would print the buffer, 32 KiB of other clients' octets.
   (print-unreadable-object (worker stream :type t :identity t)
     (format stream "~S, ~D requests" (worker-state worker) (worker-requests-served worker))))
 

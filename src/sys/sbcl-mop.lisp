@@ -1,6 +1,6 @@
 ;;;; Every use of SBCL's metaobject protocol (sb-mop) lives in this file, so
 ;;;; that the next SBCL breaks in one place.  The engine's request
-;;;; constructor (engine/request-object.lisp) asks it what making an instance
+;;;; constructor (engine/http/request-object.lisp) asks it what making an instance
 ;;;; of a class would do, and sets the instance's slots by location.
 
 (in-package #:hunchentoot-recycling-taskmaster)

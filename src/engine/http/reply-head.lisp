@@ -1,0 +1,179 @@
+;;;; The octets of a reply's head, built in a buffer each worker keeps: the
+;;;; status line and the header lines, written as Hunchentoot's header
+;;;; stream writes them but without a flexi-stream or FORMAT per line
+;;;; (bench/profiles: a fifth of the samples of a trivial request went
+;;;; there), and what START-OUTPUT adds to a reply's headers -- its Date, the
+;;;; charset of a text type -- computed once, not once per reply.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defstruct (reply-head (:constructor make-reply-head ()))
+  (octets (make-array 2048 :element-type '(unsigned-byte 8)) :type octets)
+  (end 0 :type fixnum))
+
+(defun room-for (count head)
+  "The octets of HEAD, with room for COUNT more after its end."
+  (declare (type reply-head head) (type fixnum count))
+  (let ((octets (reply-head-octets head))
+        (needed (+ (reply-head-end head) count)))
+    (if (<= needed (length octets))
+        octets
+        (setf (reply-head-octets head)
+              (replace (make-array (max needed (* 2 (length octets))) :element-type '(unsigned-byte 8))
+                       octets :end2 (reply-head-end head))))))
+
+(defun push-octet (octet head)
+  (declare (type reply-head head) (type (unsigned-byte 8) octet))
+  (let ((octets (room-for 1 head)))
+    (setf (aref octets (reply-head-end head)) octet)
+    (incf (reply-head-end head))))
+
+(defun push-octets (octets head &key (start 0) (end (length octets)))
+  (declare (type octets octets) (type reply-head head) (type fixnum start end))
+  (replace (room-for (- end start) head) octets :start1 (reply-head-end head) :start2 start :end2 end)
+  (incf (reply-head-end head) (- end start)))
+
+(defun push-text (string head &key (start 0) (end (length string)))
+  "Push the characters of STRING from START below END as Latin-1 octets, as
+Hunchentoot's header stream writes them; a character outside Latin-1 as ?."
+  (declare (type string string) (type fixnum start end) (type reply-head head))
+  (let ((octets (room-for (- end start) head))
+        (position (reply-head-end head)))
+    (declare (type fixnum position))
+    (flet ((latin-1 (char)
+             (let ((code (char-code char)))
+               (if (< code 256) code 63))))
+      (declare (inline latin-1))
+      (typecase string
+        ((simple-array character (*))
+         (loop for index of-type fixnum from start below end
+               do (setf (aref octets position) (latin-1 (schar string index)))
+                  (incf position)))
+        (simple-base-string
+         (loop for index of-type fixnum from start below end
+               do (setf (aref octets position) (latin-1 (schar string index)))
+                  (incf position)))
+        (t
+         (loop for index of-type fixnum from start below end
+               do (setf (aref octets position) (latin-1 (char string index)))
+                  (incf position)))))
+    (setf (reply-head-end head) position)))
+
+(defun push-decimal (integer head)
+  "Push the decimal digits of the non-negative INTEGER, consing nothing."
+  (declare (type (integer 0) integer))
+  (if (< integer 10)
+      (push-octet (+ 48 integer) head)
+      (multiple-value-bind (rest digit) (floor integer 10)
+        (push-decimal rest head)
+        (push-octet (+ 48 digit) head))))
+
+(defun push-crlf (head)
+  (push-octet +cr+ head)
+  (push-octet +lf+ head))
+
+(defun push-header-line (name value head)
+  "Push the header line NAME: VALUE, VALUE as Hunchentoot writes it: a
+number in decimal, anything but a string as PRINC writes it.  VALUE has no
+CR, LF or NUL (REFUSE-UNSAFE-HEADER-VALUES)."
+  (push-text name head)
+  (push-octet #.(char-code #\:) head)
+  (push-octet #.(char-code #\Space) head)
+  (if (typep value '(integer 0))
+      (push-decimal value head)
+      (push-text (header-text value) head))
+  (push-crlf head))
+
+;;; Header values that would end their line early.
+
+(defun header-text (value)
+  "The text a header's VALUE is written as."
+  (if (stringp value) value (princ-to-string value)))
+
+(defun unsafe-header-text-p (text)
+  "True when TEXT has a CR, LF or NUL: written in a header, the line would
+end there and the rest read as another header or the body (RFC 9112 2.2)."
+  (declare (type string text))
+  (find-if (lambda (char) (or (char= char #\Return) (char= char #\Linefeed) (char= char #\Nul))) text))
+
+(defun refuse-unsafe-header-values (reply)
+  "Signal HEADER-VALUE-REFUSED for the first of REPLY's headers or cookies
+whose value is unsafe (UNSAFE-HEADER-TEXT-P), after taking it out of REPLY
+and marking the headers unsent, so that the 500 the request gets instead
+can be written.  Takes only REPLY, so that a backtrace of the error shows
+no header's value."
+  (flet ((refuse (name remove)
+           (setf (headers-sent-p) nil)
+           (funcall remove)
+           (error 'header-value-refused :name name)))
+    (loop for entry in (reply-headers reply)
+          for (name . value) = entry
+          when (and value (not (integerp value)) (unsafe-header-text-p (header-text value)))
+            do (refuse (chunga:as-capitalized-string name)
+                       (lambda () (setf (hunchentoot:header-out name reply) nil))))
+    (loop for entry in (hunchentoot:cookies-out reply)
+          when (unsafe-header-text-p (cookie-header-value (cdr entry)))
+            do (refuse "Set-Cookie"
+                       (lambda () (setf (hunchentoot:cookies-out reply)
+                                        (remove entry (hunchentoot:cookies-out reply))))))))
+
+;;; Status lines.
+
+(defun make-status-line (return-code)
+  (map 'octets #'char-code (format nil "HTTP/1.1 ~D ~A~C~C" return-code (hunchentoot:reason-phrase return-code)
+                                   #\Return #\Linefeed)))
+
+(defparameter *status-lines*
+  (let ((lines (make-array 600 :initial-element nil)))
+    (loop for return-code from 100 below 600
+          do (setf (svref lines return-code) (make-status-line return-code)))
+    lines)
+  "The status line of each return code from 100 to 599, as octets.")
+
+(defun status-line (return-code)
+  (if (and (integerp return-code) (<= 100 return-code 599))
+      (svref *status-lines* return-code)
+      (make-status-line return-code)))
+
+;;; What START-OUTPUT would compute anew for every reply.
+
+(defvar *date-header* (cons 0 "")
+  "The universal time of the last Date header made, and its value: one
+formatted per second, not per reply.")
+
+(defun date-header-value ()
+  (let ((cache *date-header*)
+        (now (get-universal-time)))
+    (if (= (car cache) now)
+        (cdr cache)
+        (cdr (setf *date-header* (cons now (hunchentoot:rfc-1123-date now)))))))
+
+(defun charset-parameter-p (content-type)
+  "True when CONTENT-TYPE has a charset parameter: a ; then optional
+whitespace then charset=, in any case."
+  (loop for semicolon = (position #\; content-type) then (position #\; content-type :start (1+ semicolon))
+        while semicolon
+        thereis (let ((start (or (position-if-not (lambda (char) (member char '(#\Space #\Tab)))
+                                                  content-type :start (1+ semicolon))
+                                 (length content-type))))
+                  (and (<= (+ start 8) (length content-type))
+                       (string-equal "charset=" content-type :start2 start :end2 (+ start 8))))))
+
+(defvar *content-type-with-charset* (list nil nil nil)
+  "The last content type and external format the charset was added for, and
+the result: handlers set the same literal content type again and again.")
+
+(defun content-type-with-charset (content-type external-format)
+  "CONTENT-TYPE with the charset of EXTERNAL-FORMAT added if it is a text
+type without one, as Hunchentoot adds it to a string body's type."
+  (destructuring-bind (last-type last-format result) *content-type-with-charset*
+    (if (and (eq content-type last-type) (eq external-format last-format))
+        result
+        (let ((result (if (and (<= 4 (length content-type))
+                               (string-equal "text" content-type :end2 4)
+                               (not (charset-parameter-p content-type)))
+                          (format nil "~A; charset=~(~A~)" content-type
+                                  (flex:external-format-name external-format))
+                          content-type)))
+          (setf *content-type-with-charset* (list content-type external-format result))
+          result))))

@@ -1,0 +1,76 @@
+;;;; Taking connections from the listening socket, and starting their
+;;;; streams: the peer's address, then, on an SSL acceptor, the TLS
+;;;; handshake.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defun note-accept-failed (engine set condition)
+  "accept(2) failed with CONDITION.  EMFILE and the like last until
+connections close: pause accepting until the next sweep, as nginx turns its
+accept events off for a moment, and log it (quiet while stopping)."
+  ;; Once accepting has stopped, a worker woken just before may find the
+  ;; socket no longer listening (REFUSE-CONNECTIONS): nothing to report.
+  (unless (or (stopping-p engine) (readiness-set-accepting-stopped-p set))
+    (call-with-spare-descriptor
+     set (lambda ()
+           (log-safely (engine-acceptor engine) :error "accept failed, accepting paused for a moment: ~A"
+                       condition))))
+  (pause-accepting set))
+
+(defun accept-new-connection (engine set)
+  "A new CONNECTION from SET's listening socket, :ACTIVE, or NIL."
+  (let ((fd (handler-case (accept-connection-fd (readiness-set-listen-fd set))
+              (error (condition)
+                (note-accept-failed engine set condition)
+                (return-from accept-new-connection nil)))))
+    ;; Another worker may accept the next connection while this one serves.
+    (rearm-listen-socket set)
+    (when fd
+      (atomic-increment (connection-counters-accepted (readiness-set-counters set)))
+      (let ((connection (add-connection set fd (make-connection-fd-stream
+                                                fd (hunchentoot:acceptor-read-timeout (engine-acceptor engine))))))
+        (setf (connection-head-started connection) (get-internal-real-time))
+        connection))))
+
+(defun take-queued-connections (engine set deadline)
+  "Accept each connection the kernel has queued on SET's listening socket,
+until none is left or DEADLINE (internal real time) passes, and park each
+for its first request as a worker would: a soft STOP serves them before
+the socket stops listening."
+  (loop while (< (get-internal-real-time) deadline)
+        do (let ((connection (accept-new-connection engine set)))
+             (if connection
+                 (park-or-end engine set connection #() 0)
+                 (return)))))
+
+(defun start-connection-stream (engine connection)
+  "Read the new CONNECTION's addresses and start its stream.  On an SSL
+acceptor that is the TLS handshake: taken by the engine as far as the
+client's bytes allow (tls-handshake.lisp), or else inside
+HUNCHENTOOT:INITIALIZE-CONNECTION-STREAM, waited for by the worker, bounded
+by the read timeout and cut by STOP.  Returns T when CONNECTION can be
+served; :INPUT or :OUTPUT when its handshake waits for the socket to be
+readable or writable; NIL when the client has gone, the handshake failed or
+the pool is stopping."
+  (let ((addresses (or (connection-addresses connection)
+                       (ignore-errors (connection-addresses-of (connection-fd connection))))))
+    (when (and addresses (not (stopping-p engine)))
+      (when (and (null (connection-addresses connection))
+                 (typep (engine-acceptor engine) 'hunchentoot:ssl-acceptor))
+        ;; TLS writes a reply as several records; Nagle's algorithm would
+        ;; hold the last one until the client's delayed acknowledgement of
+        ;; the first, 40 ms later.
+        (send-small-writes-at-once (connection-fd connection)))
+      (setf (connection-addresses connection) addresses)
+      (let* ((context (engine-tls-context engine))
+             (stream (if context
+                         (continue-connection-handshake (engine-readiness-set engine) context connection)
+                         (ignore-errors
+                          (hunchentoot:initialize-connection-stream (engine-acceptor engine)
+                                                                    (connection-fd-stream connection))))))
+        (cond ((streamp stream)
+               (setf (connection-stream connection) stream
+                     (connection-socket connection) (make-connection-socket
+                                                     connection (connection-fd-stream connection)))
+               t)
+              (t stream))))))

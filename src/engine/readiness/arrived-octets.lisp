@@ -1,0 +1,38 @@
+;;;; What has arrived on a connection, read without waiting into a worker's
+;;;; buffer: from the socket, or from the TLS stream over it.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defun read-arrived-octets (stream buffer start end)
+  "Read into BUFFER from START below END the octets STREAM can give without
+waiting; the position after the last one."
+  (loop with position = start
+        while (and (< position end) (listen stream))
+        do (setf (aref buffer position) (read-byte stream))
+           (incf position)
+        finally (return position)))
+
+(defun receive-from-stream (stream fd buffer start end)
+  "Take what STREAM (an SSL stream) has decrypted, without waiting, into BUFFER.
+LISTEN reads ahead into the stream's own buffer, so bytes decrypted
+earlier are found there, not on the socket."
+  (handler-case
+      (let ((position (read-arrived-octets stream buffer start end)))
+        (cond ((> position start) (- position start))
+              ((end-of-file-p fd) 0)
+              (t :would-block)))
+    (error () :error)))
+
+(defun receive-bytes (connection buffer start end)
+  "Bytes that have arrived on CONNECTION, into BUFFER from START below END:
+their count, 0 at end of file, :WOULD-BLOCK or :ERROR."
+  (if (plain-connection-p connection)
+      (receive-available (connection-fd connection) buffer start end)
+      (receive-from-stream (connection-stream connection) (connection-fd connection) buffer start end)))
+
+(defun take-pending-bytes (connection buffer)
+  "Move CONNECTION's pending octets to the start of BUFFER; their count."
+  (let ((pending (shiftf (connection-pending connection) nil)))
+    (if pending
+        (progn (replace buffer pending) (length pending))
+        0)))

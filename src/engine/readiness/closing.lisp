@@ -1,0 +1,101 @@
+;;;; Ending connections: closed by their holder, refused with an error
+;;;; reply, or ended by the sweeper at their deadline -- 408 for a head that
+;;;; did not arrive in time, 503 for a request that found no worker in time,
+;;;; a plain close for an idle kept-alive connection or a reply its client
+;;;; stopped taking.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defun close-connection (set connection)
+  "Close CONNECTION, which the caller holds, and forget it.  Errors mean the
+client is gone already."
+  (remove-connection set connection)
+  (when (connection-outgoing connection)
+    (drop-outgoing set connection))
+  (when (connection-arriving-body connection)
+    (discard-arriving-body set connection))
+  (when (connection-handshake connection)
+    (end-connection-handshake set connection))
+  (let ((stream (connection-stream connection))
+        (fd-stream (connection-fd-stream connection)))
+    (when (and stream (not (eq stream fd-stream)))
+      (ignore-errors (close stream :abort t))
+      (forget-tls-errors))
+    (ignore-errors (close fd-stream :abort t))))
+
+(defun refuse-and-close (set connection status &key explanation)
+  "Answer CONNECTION's request with the error reply for STATUS and close it;
+EXPLANATION, when given, is what its page says instead of what
+*HEAD-REFUSALS* says, and the refusal is then counted by the caller.  The
+reply and FIN go out before the close, so that the client reads the reply
+before the reset that unread input provokes."
+  (unless explanation
+    (count-refused-head (readiness-set-counters set) status))
+  (let ((reply (head-error-reply status (readiness-set-server-name set)
+                                 (readiness-set-retry-after-seconds set) explanation))
+        (stream (connection-stream connection))
+        (fd (connection-fd connection)))
+    ;; The sweeper calls this too and must not wait.  Plain text that does
+    ;; not fit the socket is dropped; TLS is written only while the socket
+    ;; has room (a client that sends and never reads may have filled it).
+    (ignore-errors
+     (cond ((plain-connection-p connection) (send-without-waiting fd reply))
+           ((fd-writable-p fd) (write-sequence reply stream) (finish-output stream))))
+    (shut-down-fd-output fd)
+    (let ((scratch (make-array 4096 :element-type '(unsigned-byte 8))))
+      (loop repeat 16
+            for count = (receive-available fd scratch 0 4096)
+            while (and (integerp count) (plusp count)))))
+  (close-connection set connection)
+  (funcall (readiness-set-refusal-logger set) connection status))
+
+(defun end-parked-connection (set connection)
+  "CONNECTION, held by the caller, has reached its deadline: answer it its
+TIMEOUT-STATUS, or close it without a word (a kept-alive connection that
+sent nothing, a client that took none of its reply)."
+  (let ((status (connection-timeout-status connection))
+        (counters (readiness-set-counters set)))
+    (cond ((connection-handshake connection)
+           (atomic-increment (connection-counters-handshake-timeouts counters))
+           (close-connection set connection))
+          ((connection-arriving-body connection)
+           (atomic-increment (connection-counters-body-timeouts counters))
+           (count-reply counters 408)
+           (refuse-and-close set connection 408 :explanation "The request body did not arrive in time."))
+          (status (refuse-and-close set connection status))
+          ((and (connection-outgoing connection) (client-took-octets-p connection))
+           ;; The kernel had no room to report all this time, yet the client
+           ;; reads: it has the write timeout again.
+           (unless (park-connection set connection (+ (get-internal-real-time) (readiness-set-write-timeout set)))
+             (close-connection set connection)))
+          ((connection-outgoing connection)
+           (atomic-increment (connection-counters-write-timeouts counters))
+           (close-connection set connection))
+          (t (atomic-increment (connection-counters-keep-alive-timeouts counters))
+             (close-connection set connection)))))
+
+(defun close-expired-connections (set)
+  "End every parked connection whose deadline has passed: 408 for a head
+that did not arrive in time, 503 for a complete request that found no free
+worker in time, a plain close for an idle keep-alive connection or a reply
+its client stopped taking."
+  (let ((now (get-internal-real-time)))
+    (map-parked-connections
+     set (lambda (connection)
+           (when (and (<= (connection-deadline connection) now)
+                      (take-parked-connection set connection))
+             (end-parked-connection set connection))))))
+
+(defun close-parked-connections (set)
+  "Close every parked connection at once, for HUNCHENTOOT:STOP."
+  (map-parked-connections
+   set (lambda (connection)
+         (when (take-parked-connection set connection)
+           (close-connection set connection)))))
+
+(defun close-every-connection (set)
+  "Close every connection in SET's table, whoever held it: for
+ABANDON-ACCEPTOR, once the threads that held them are gone."
+  (loop for connection across (readiness-set-slots set)
+        when connection
+          do (close-connection set connection)))

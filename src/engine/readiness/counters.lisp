@@ -1,0 +1,71 @@
+;;;; What the readiness engine counts, ever: kept by the engine from run to
+;;;; run, counted into by each run's readiness set, without a lock (atomic
+;;;; words).  Read as TASKMASTER-STATISTICS (statistics.lisp).
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defparameter *duration-bucket-seconds* #(0.0005 0.001 0.0025 0.005 0.01 0.025 0.05 0.1 0.25 0.5 1 2.5 5 10)
+  "The upper bounds of the request-duration histogram's buckets, in seconds.")
+
+(defparameter *duration-bucket-units*
+  (map '(simple-array fixnum (*)) (lambda (seconds) (round (* seconds internal-time-units-per-second)))
+       *duration-bucket-seconds*)
+  "The same bounds in internal time units, so that counting a request conses
+nothing.")
+
+(defstruct (connection-counters (:constructor make-connection-counters ()))
+  "What the readiness sets of one engine have counted, ever.  The engine
+keeps it from run to run; each run's set counts into it."
+  ;; Connections taken from the listening socket.
+  (accepted 0 :type word)
+  ;; Parked keep-alive connections closed at the keep-alive timeout.
+  (keep-alive-timeouts 0 :type word)
+  ;; Connections closed because their client took none of its reply for
+  ;; the acceptor's write timeout.
+  (write-timeouts 0 :type word)
+  ;; Requests answered 408 because their body stalled for the read timeout.
+  (body-timeouts 0 :type word)
+  ;; Connections closed because their TLS handshake was not done within
+  ;; the header timeout.
+  (handshake-timeouts 0 :type word)
+  ;; Per status of *HEAD-REFUSALS*, the heads refused with it.
+  (refused-heads (make-array (length *head-refusals*) :element-type 'word :initial-element 0)
+   :type (simple-array word (*)) :read-only t)
+  ;; Replies of every kind by status class: index 1 to 5 for 1xx to 5xx.
+  (replies-by-class (make-array 6 :element-type 'word :initial-element 0)
+   :type (simple-array word (*)) :read-only t)
+  ;; Requests answered through a handler, by duration (from the complete
+  ;; head to the flushed reply): one count per bound of
+  ;; +DURATION-BUCKET-SECONDS+ the duration is within and above the one
+  ;; before, then one for longer ones.
+  (duration-counts (make-array (1+ (length *duration-bucket-seconds*)) :element-type 'word :initial-element 0)
+   :type (simple-array word (*)) :read-only t)
+  ;; The sum of those durations, in microseconds.
+  (duration-microseconds 0 :type word))
+
+(defun count-reply (counters status)
+  "Count a reply with STATUS in its class."
+  (when (and (integerp status) (<= 100 status 599))
+    (atomic-increment (aref (connection-counters-replies-by-class counters) (floor status 100)))))
+
+(defun count-refused-head (counters status)
+  "Count a request the engine refused with STATUS by itself."
+  (let ((index (position status *head-refusals* :key #'first)))
+    (count-reply counters status)
+    (when index
+      (atomic-increment (aref (connection-counters-refused-heads counters) index)))))
+
+(defun count-answered-request (counters status started)
+  "Count a request answered through a handler with STATUS, whose head was
+complete at STARTED (internal real time)."
+  (let* ((units (max 0 (- (get-internal-real-time) started)))
+         (bounds *duration-bucket-units*)
+         (bucket (loop for index of-type fixnum from 0 below (length bounds)
+                       when (<= units (aref bounds index))
+                         return index
+                       finally (return (length bounds)))))
+    (declare (type fixnum units) (type (simple-array fixnum (*)) bounds))
+    (count-reply counters status)
+    (atomic-increment (aref (connection-counters-duration-counts counters) bucket))
+    (atomic-add (connection-counters-duration-microseconds counters)
+                (floor (* units 1000000) internal-time-units-per-second))))

@@ -1,0 +1,45 @@
+;;;; The readiness engine: the CONNECTION-ENGINE (engine/protocol.lisp) whose
+;;;; workers wait on the acceptor's readiness set.  Woken for the listening
+;;;; socket a worker accepts a connection, woken for a parked connection it
+;;;; takes it; either way it serves the connection (serving/) and parks it
+;;;; again, with the bytes of a partial head if any, as soon as the socket
+;;;; has nothing more.  A thread is held only while a head is parsed, a step
+;;;; of a TLS handshake taken or a request answered.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defconstant +sweep-interval-seconds+ 1/4
+  "How often parked connections whose deadline has passed are ended (the
+precision of the header and keep-alive timeouts), and accepting resumes
+after it paused.")
+
+(defclass readiness-engine (connection-engine)
+  ((set :initform nil :accessor engine-readiness-set
+        :documentation "The READINESS-SET of the current run; NIL while the
+acceptor is stopped.")
+   (counters :initform (make-connection-counters) :reader engine-counters
+             :documentation "What the readiness sets of every run have counted.")
+   (object-constructors :initform nil :accessor engine-object-constructors
+                        :documentation "The OBJECT-CONSTRUCTORS of the current run.")
+   (tls-context :initform nil :accessor engine-tls-context
+                :documentation "The TLS context (tls-handshake.lisp) of the
+current run when the engine takes the acceptor's TLS handshakes, else NIL.")
+   (sweep-buffer :initform nil :accessor engine-sweep-buffer
+                 :documentation "Where the thread-making thread peeks at what has
+arrived on parked connections while no worker is free (saturated-pool.lisp)."))
+  (:documentation "The :READINESS-SET connection engine: one epoll set holding
+the listening socket and every connection waiting for bytes, shared by
+every worker."))
+
+(defmethod make-connection-engine ((name (eql :readiness-set)) taskmaster)
+  (make-instance 'readiness-engine :taskmaster taskmaster))
+
+(defun engine-acceptor (engine)
+  (hunchentoot:taskmaster-acceptor (engine-taskmaster engine)))
+
+(defun stopping-p (engine)
+  (or (shutting-down-p (engine-taskmaster engine))
+      (acceptor-shutting-down-p (engine-acceptor engine))))
+
+(defun milliseconds-until (deadline)
+  (max 0 (ceiling (* 1000 (- deadline (get-internal-real-time))) internal-time-units-per-second)))

@@ -1,0 +1,126 @@
+;;;; Replies the socket does not take at once.  A reply the engine has whole
+;;;; -- its head, the octets a handler returned, ranges of a file -- is a
+;;;; list of pieces, sent without waiting on the non-blocking socket.  What
+;;;; the socket buffer does not take stays with the connection as its
+;;;; OUTGOING, and the connection is parked until the socket has room; then
+;;;; whichever worker (or, while none is free, the thread-making thread)
+;;;; takes it sends more.  A client that reads slowly so holds a descriptor
+;;;; and its reply's pieces, never a thread.  Only the holder of a
+;;;; connection touches its OUTGOING (connection.lisp, Ownership).
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defstruct (piece (:constructor make-octets-piece (octets start end))
+                  (:constructor make-file-piece (start end &aux (octets nil))))
+  "Part of a reply: the octets of OCTETS from START below END, or, when
+OCTETS is NIL, those of the reply's file.  START moves as they are sent."
+  (octets nil :type (or null octets))
+  (start 0 :type fixnum)
+  (end 0 :type fixnum))
+
+(defstruct (outgoing (:constructor make-outgoing (pieces file-fd)))
+  "What a connection's reply has left to send."
+  ;; The pieces not sent whole yet, in order.
+  (pieces '() :type list)
+  ;; The descriptor file pieces are read from, this OUTGOING's own (a
+  ;; duplicate of the handler's), closed with it; NIL when there is none.
+  (file-fd nil)
+  ;; What follows once every piece has gone: :KEEP-ALIVE (the connection's
+  ;; next request) or :CLOSE.
+  (then :close))
+
+(defun send-pieces (fd pieces file-fd)
+  "Send PIECES in order to the socket FD without waiting, file pieces from
+FILE-FD.  Returns :SENT; :FAILED when the client has gone or the file ended
+early; or the pieces left, the first one's START moved past what went."
+  (loop for tail on pieces
+        for piece = (first tail)
+        do (loop while (< (piece-start piece) (piece-end piece))
+                 do (let ((count (if (piece-octets piece)
+                                     (send-octets fd (piece-octets piece) (piece-start piece) (piece-end piece)
+                                                  :more (rest tail))
+                                     (send-file-octets fd file-fd (piece-start piece) (piece-end piece)))))
+                      (case count
+                        (:would-block (return-from send-pieces tail))
+                        ((:error 0) (return-from send-pieces :failed))
+                        (t (incf (piece-start piece) count)))))
+        finally (return :sent)))
+
+(defun keep-outgoing (set connection pieces file-fd borrowed-octets)
+  "Make PIECES CONNECTION's OUTGOING: pieces of BORROWED-OCTETS (a buffer
+the caller reuses) copied, FILE-FD duplicated if a file piece is left.
+False when no descriptor was left to duplicate it with."
+  (let ((file-fd (and (notevery #'piece-octets pieces) (duplicate-fd file-fd))))
+    (when (or file-fd (every #'piece-octets pieces))
+      (setf (connection-outgoing connection)
+            (make-outgoing (loop for piece in pieces
+                                 collect (if (and borrowed-octets (eq (piece-octets piece) borrowed-octets))
+                                             (make-octets-piece (subseq borrowed-octets (piece-start piece)
+                                                                        (piece-end piece))
+                                                                0 (- (piece-end piece) (piece-start piece)))
+                                             piece))
+                           file-fd))
+      (atomic-increment (readiness-set-outgoing-count set))
+      t)))
+
+(defun send-reply-pieces-without-waiting (set connection pieces file-fd borrowed-octets)
+  "Send the reply PIECES (file pieces from FILE-FD, which stays the
+caller's) on CONNECTION, held by the caller, as far as its socket takes
+them now; keep the rest as its OUTGOING, copying what lies in
+BORROWED-OCTETS.  True when they went or will; false when the client has
+gone or the file ended early."
+  (let ((left (send-pieces (connection-fd connection) pieces file-fd)))
+    (case left
+      (:sent t)
+      (:failed nil)
+      (t (keep-outgoing set connection left file-fd borrowed-octets)))))
+
+(defun body-pieces (body)
+  "BODY -- NIL, octets, or a list of pieces -- as a list of pieces."
+  (if (listp body) body (list (make-octets-piece body 0 (length body)))))
+
+(defun send-reply-without-waiting (set connection head head-end body file-fd)
+  "Send a reply on CONNECTION, held by the caller, as far as its socket
+takes it now: the octets of HEAD below HEAD-END (a buffer the caller
+reuses), then BODY -- NIL, octets, or a list of pieces whose file pieces
+are read from FILE-FD, which stays the caller's.  The rest is kept as
+CONNECTION's OUTGOING; nothing is allocated when the socket takes the head
+and a body of octets whole.  True when the reply went or will; false when
+the client has gone or the file ended early."
+  (let ((sent (send-octets (connection-fd connection) head 0 head-end :more body)))
+    (cond ((eq sent :error) nil)
+          ((and (eql sent head-end) (typep body 'octets))
+           (let ((body-sent (send-octets (connection-fd connection) body 0 (length body))))
+             (cond ((eq body-sent :error) nil)
+                   ((eql body-sent (length body)) t)
+                   (t (keep-outgoing set connection
+                                     (list (make-octets-piece body (if (integerp body-sent) body-sent 0)
+                                                              (length body)))
+                                     nil nil)))))
+          ((eql sent head-end)
+           (or (null body) (send-reply-pieces-without-waiting set connection body file-fd nil)))
+          (t (keep-outgoing set connection
+                            (cons (make-octets-piece head (if (integerp sent) sent 0) head-end) (body-pieces body))
+                            file-fd head)))))
+
+(defun drop-outgoing (set connection)
+  "Forget CONNECTION's OUTGOING, sent or not, closing its file."
+  (let ((outgoing (shiftf (connection-outgoing connection) nil)))
+    (when (outgoing-file-fd outgoing)
+      (close-fd (outgoing-file-fd outgoing)))
+    (atomic-decrement (readiness-set-outgoing-count set))))
+
+(defun send-outgoing (set connection)
+  "Send more of CONNECTION's OUTGOING, held by the caller.  Returns what
+follows when it has all gone (:KEEP-ALIVE or :CLOSE; the OUTGOING is
+dropped), :WOULD-BLOCK when the socket is full again, or :CLOSE when the
+client has gone or the file ended early."
+  (let* ((outgoing (connection-outgoing connection))
+         (left (send-pieces (connection-fd connection) (outgoing-pieces outgoing) (outgoing-file-fd outgoing))))
+    (case left
+      (:sent (drop-outgoing set connection)
+       (setf (connection-awaiting connection) :input)
+       (outgoing-then outgoing))
+      (:failed :close)
+      (t (setf (outgoing-pieces outgoing) left)
+         :would-block))))

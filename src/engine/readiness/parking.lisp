@@ -1,0 +1,91 @@
+;;;; Parking a connection until what it waits for happens -- the rest of a
+;;;; head, more of a body, room for the rest of a reply, the client's next
+;;;; TLS record -- each under its own deadline; and a worker's wait for the
+;;;; next connection ready.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defun park-until (engine set connection deadline)
+  "Park CONNECTION, which the caller holds, until bytes arrive or DEADLINE
+passes; close it instead when the pool is stopping or the descriptor cannot
+be armed."
+  (cond ((stopping-p engine) (close-connection set connection))
+        ((park-connection set connection deadline)
+         ;; HUNCHENTOOT:STOP sets its flag, then closes what is parked.
+         (memory-barrier)
+         (when (and (stopping-p engine) (take-parked-connection set connection))
+           (close-connection set connection)))
+        (t (close-connection set connection))))
+
+(defun park-or-end (engine set connection buffer end)
+  "Park CONNECTION with the END octets of BUFFER (the start of a head, or
+none) until more arrive; end it instead if its deadline has passed or the
+pool is stopping."
+  (let* ((now (get-internal-real-time))
+         (head-started (connection-head-started connection))
+         (deadline (if head-started
+                       (+ head-started (readiness-set-header-timeout set))
+                       (+ now (readiness-set-keep-alive-timeout set)))))
+    (setf (connection-timeout-status connection) (and head-started 408))
+    (cond ((stopping-p engine) (close-connection set connection))
+          ((<= deadline now) (end-parked-connection set connection))
+          (t
+           (when (plusp end)
+             (setf (connection-pending connection) (subseq buffer 0 end)))
+           (park-until engine set connection deadline)))))
+
+(defun park-until-writable (engine set connection buffer end)
+  "Park CONNECTION, whose reply its socket did not take whole, until the
+socket has room, keeping the END octets of BUFFER (requests the client
+sent meanwhile); the client has the write timeout to take more, and again
+each time it has taken some (CLIENT-TOOK-OCTETS-P)."
+  (when (plusp end)
+    (setf (connection-pending connection) (subseq buffer 0 end)))
+  (setf (connection-awaiting connection) :output
+        (connection-timeout-status connection) nil)
+  (note-unacknowledged-octets connection)
+  (park-until engine set connection (+ (get-internal-real-time) (readiness-set-write-timeout set))))
+
+(defun park-until-body-arrives (engine set connection)
+  "Park CONNECTION, held by the caller, until more of its ARRIVING-BODY
+comes; it is answered 408 if nothing does for the read timeout."
+  (setf (connection-awaiting connection) :input
+        (connection-timeout-status connection) nil)
+  (park-until engine set connection (+ (get-internal-real-time) (readiness-set-read-timeout set))))
+
+(defun park-during-handshake (engine set connection awaiting)
+  "Park CONNECTION, held by the caller, until its socket is ready for
+AWAITING (:INPUT or :OUTPUT), as its handshake wants, for no longer than
+the header timeout from the accept."
+  (setf (connection-awaiting connection) awaiting
+        (connection-timeout-status connection) nil)
+  (park-until engine set connection
+              (+ (connection-head-started connection) (readiness-set-header-timeout set))))
+
+;;; Waking.
+
+(defun next-ready-token (engine worker set)
+  "Wait on SET until WORKER has something to serve: the token reported, or
+NIL when WORKER is to end (the pool is stopping, or WORKER is surplus)."
+  (let ((taskmaster (engine-taskmaster engine)))
+    (note-waiting taskmaster worker)
+    (flet ((idle-deadline ()
+             (deadline-in (taskmaster-thread-idle-timeout taskmaster))))
+      (let ((idle-deadline (idle-deadline)))
+        (loop
+          (when (shutting-down-p taskmaster)
+            (note-stopped-waiting taskmaster worker)
+            (return nil))
+          (let ((token (epoll-wait-one (readiness-set-epoll-fd set) (milliseconds-until idle-deadline))))
+            (case token
+              (:interrupted)
+              (:timeout
+               (when (>= (get-internal-real-time) idle-deadline)
+                 (when (note-wait-timed-out taskmaster worker)
+                   (return nil))
+                 (setf idle-deadline (idle-deadline))))
+              (t
+               ;; The wakeup descriptor means stop, seen at the top of the loop.
+               (unless (= token +wakeup-token+)
+                 (note-woken taskmaster worker)
+                 (return token))))))))))

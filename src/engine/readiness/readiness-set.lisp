@@ -1,0 +1,240 @@
+;;;; The readiness set of a PARALLEL-ACCEPTOR: one epoll set holding the
+;;;; listening socket and every connection that waits for bytes, and the
+;;;; table of those connections.  Workers wait on the set; whichever wakes
+;;;; takes what is ready.  A worker woken with a token whose slot now holds
+;;;; another connection (the generation differs) drops it.
+;;;;
+;;;; TABLE-LOCK guards the slot table and its free list, taken when a
+;;;; connection enters or leaves the table, never around I/O.  See
+;;;; connection.lisp for who may touch a connection.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defstruct (readiness-set (:constructor %make-readiness-set))
+  (epoll-fd -1 :type fixnum :read-only t)
+  (wakeup-fd -1 :type fixnum :read-only t)
+  ;; The acceptor's listening socket, non-blocking.
+  (listen-fd -1 :type fixnum :read-only t)
+  ;; True while accepting pauses: accept(2) failed for a reason that lasts
+  ;; (EMFILE, ENFILE), and the listening socket is left disarmed until the
+  ;; next sweep, instead of a worker sleeping or spinning on it.
+  (accept-paused-p nil)
+  ;; True once accepting has stopped for good, for a soft STOP: the
+  ;; listening socket is never armed again.
+  (accepting-stopped-p nil)
+  ;; A descriptor held in reserve, so that a message can still be logged when
+  ;; the process has no other free (Hunchentoot opens the log file for every
+  ;; message); NIL when none could be kept.
+  (spare-fd nil)
+  (table-lock (bt:make-lock "readiness-set-table") :read-only t)
+  ;; Index -> the CONNECTION holding it, or NIL.
+  (slots (make-array 1024 :initial-element nil) :type simple-vector)
+  (free-indices '())
+  (next-index 0 :type fixnum)
+  (generation 0 :type fixnum)
+  ;; Internal time units a request head may take to arrive.
+  (header-timeout 0 :type fixnum :read-only t)
+  ;; Internal time units a kept-alive connection may wait for its next request.
+  (keep-alive-timeout 0 :type fixnum :read-only t)
+  ;; Internal time units a complete request may wait for a free worker.
+  (queue-timeout 0 :type fixnum :read-only t)
+  ;; Internal time units a reply may wait for its client to take any of it.
+  (write-timeout 0 :type fixnum :read-only t)
+  ;; Internal time units a request body may stall between two octets.
+  (read-timeout 0 :type fixnum :read-only t)
+  ;; What the Retry-After header of a 503 says.
+  (retry-after-seconds 0 :type fixnum :read-only t)
+  ;; What the Server header of a refusal says: the acceptor's server name.
+  (server-name "" :type string :read-only t)
+  ;; Called with the connection and the status of every refusal, after its
+  ;; reply is sent: the acceptor's access log.
+  (refusal-logger (constantly nil) :type function :read-only t)
+  ;; Connections in the table, held by workers or parked.
+  (connection-count 0 :type fixnum)
+  ;; Connections parked now.
+  (parked-count 0 :type word)
+  ;; Connections whose reply is left to send, parked or being sent.
+  (outgoing-count 0 :type word)
+  ;; Connections whose request body is arriving, parked or being read.
+  (arriving-body-count 0 :type word)
+  ;; Connections whose TLS handshake the engine is taking, parked or not.
+  (handshake-count 0 :type word)
+  ;; The engine's CONNECTION-COUNTERS, which this set counts into.
+  (counters nil :type connection-counters :read-only t))
+
+(defmethod print-object ((set readiness-set) stream)
+  (print-unreadable-object (set stream :type t :identity t)
+    (format stream "epoll fd ~D, ~D connections, ~D parked"
+            (readiness-set-epoll-fd set) (readiness-set-connection-count set) (readiness-set-parked-count set))))
+
+(defun make-readiness-set (listen-socket counters
+                           &key header-timeout keep-alive-timeout queue-timeout write-timeout read-timeout
+                             server-name refusal-logger)
+  "A readiness set watching LISTEN-SOCKET (made non-blocking: a worker woken
+for it may find the connection already taken), counting into COUNTERS.  The
+timeouts are in seconds; a WRITE-TIMEOUT or READ-TIMEOUT of NIL means a year."
+  (let* ((epoll-fd (make-epoll-set))
+         (set (%make-readiness-set :epoll-fd epoll-fd :wakeup-fd (make-wakeup-fd)
+                                   :listen-fd (socket-file-descriptor listen-socket)
+                                   :counters counters
+                                   :header-timeout (seconds->internal-units header-timeout)
+                                   :keep-alive-timeout (seconds->internal-units keep-alive-timeout)
+                                   :queue-timeout (seconds->internal-units queue-timeout)
+                                   :write-timeout (seconds->internal-units (or write-timeout 31536000))
+                                   :read-timeout (seconds->internal-units (or read-timeout 31536000))
+                                   :retry-after-seconds (ceiling queue-timeout)
+                                   :server-name server-name
+                                   :refusal-logger refusal-logger)))
+    (setf (readiness-set-spare-fd set) (open-spare-fd))
+    (set-non-blocking listen-socket)
+    (epoll-watch epoll-fd (readiness-set-listen-fd set) +listen-token+ :one-shot t)
+    (epoll-watch epoll-fd (readiness-set-wakeup-fd set) +wakeup-token+)
+    set))
+
+(defun destroy-readiness-set (set)
+  (close-fd (readiness-set-epoll-fd set))
+  (close-fd (readiness-set-wakeup-fd set))
+  (let ((spare-fd (shiftf (readiness-set-spare-fd set) nil)))
+    (when spare-fd (close-fd spare-fd))))
+
+(defun call-with-spare-descriptor (set function)
+  "Call FUNCTION with SET's spare descriptor given up, so that FUNCTION can
+open one file though the process has no other descriptor free; keep a spare
+again afterwards if one can be had.  Called by one thread at a time: the
+worker whose accept(2) failed, before it lets another accept."
+  (let ((spare-fd (shiftf (readiness-set-spare-fd set) nil)))
+    (when spare-fd (close-fd spare-fd))
+    (unwind-protect (funcall function)
+      (setf (readiness-set-spare-fd set) (open-spare-fd)))))
+
+(defun wake-all-waiters (set)
+  "Make every epoll_wait on SET, now and later, return at once."
+  (signal-wakeup-fd (readiness-set-wakeup-fd set)))
+
+;;; Accepting.
+
+(defun rearm-listen-socket (set)
+  "Arm the listening socket again, unless accepting has stopped: looked at
+again after arming, since STOP-ACCEPTING may have disarmed it meanwhile."
+  (unless (readiness-set-accepting-stopped-p set)
+    (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+)
+    (memory-barrier)
+    (when (readiness-set-accepting-stopped-p set)
+      (epoll-disarm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+))))
+
+(defun stop-accepting (set)
+  "Take no connection from the listening socket any more."
+  (setf (readiness-set-accepting-stopped-p set) t)
+  (memory-barrier)
+  (epoll-disarm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+))
+
+(defun refuse-connections (set)
+  "Make SET's listening socket, whose accepting has stopped, stop listening:
+the kernel refuses a client connecting from now on (ECONNREFUSED, which a
+load balancer retries elsewhere at once), where closing the socket later
+would reset those it had queued.  The descriptor stays open until the
+listening socket is closed, so its number is not taken by another socket
+while a worker may still name it."
+  (shut-down-fd (readiness-set-listen-fd set)))
+
+(defun pause-accepting (set)
+  "Leave the listening socket disarmed until RESUME-ACCEPTING."
+  (setf (readiness-set-accept-paused-p set) t))
+
+(defun resume-accepting (set)
+  "Arm the listening socket again if accepting was paused."
+  (when (readiness-set-accept-paused-p set)
+    (setf (readiness-set-accept-paused-p set) nil)
+    (rearm-listen-socket set)))
+
+;;; The table.
+
+(defun slot-index (token)
+  (- (ldb (byte 32 0) token) +first-connection-token+))
+
+(defun add-connection (set fd fd-stream)
+  "Enter the accepted connection FD, with its FD-STREAM, into SET's table;
+its CONNECTION, :ACTIVE."
+  (bt:with-lock-held ((readiness-set-table-lock set))
+    (let* ((index (or (pop (readiness-set-free-indices set))
+                      (prog1 (readiness-set-next-index set)
+                        (incf (readiness-set-next-index set)))))
+           (generation (setf (readiness-set-generation set)
+                             (ldb (byte 31 0) (1+ (readiness-set-generation set)))))
+           (connection (make-connection fd (dpb generation (byte 31 32) (+ index +first-connection-token+))
+                                        fd-stream)))
+      (when (>= index (length (readiness-set-slots set)))
+        (setf (readiness-set-slots set)
+              (replace (make-array (* 2 (length (readiness-set-slots set))) :initial-element nil)
+                       (readiness-set-slots set))))
+      (setf (svref (readiness-set-slots set) index) connection)
+      (incf (readiness-set-connection-count set))
+      connection)))
+
+(defun remove-connection (set connection)
+  "Take CONNECTION, which the caller holds, out of SET's table."
+  (setf (connection-state connection) :closed)
+  (bt:with-lock-held ((readiness-set-table-lock set))
+    (let ((index (slot-index (connection-token connection))))
+      (when (eq (svref (readiness-set-slots set) index) connection)
+        (setf (svref (readiness-set-slots set) index) nil)
+        (push index (readiness-set-free-indices set))
+        (decf (readiness-set-connection-count set))))))
+
+(defun unfinished-connection-count (set)
+  "Connections in SET's table none of whose requests has been answered yet,
+or whose reply is not sent whole yet."
+  (count-if (lambda (connection)
+              (and connection
+                   (or (not (connection-answered-p connection))
+                       (connection-outgoing connection))
+                   (not (eq (connection-state connection) :closed))))
+            (readiness-set-slots set)))
+
+;;; Parking and taking.
+
+(defun take-parked-connection (set connection)
+  "Make the caller CONNECTION's holder if it is parked.  True when it was."
+  (when (compare-and-swap (connection-state connection) :parked :active)
+    (atomic-decrement (readiness-set-parked-count set))
+    t))
+
+(defun take-ready-connection (set token)
+  "The parked connection TOKEN was reported for, now held by the caller; NIL
+when it is gone or another thread took it."
+  (let* ((slots (readiness-set-slots set))
+         (index (slot-index token))
+         (connection (and (< index (length slots)) (svref slots index))))
+    (and connection
+         (= (connection-token connection) token)
+         (take-parked-connection set connection)
+         connection)))
+
+(defun park-connection (set connection deadline)
+  "Give up CONNECTION until what it is AWAITING happens -- bytes arrive, or
+its socket has room -- or DEADLINE passes (then it gets its
+TIMEOUT-STATUS).  True when it is parked (and may already be another
+thread's); false when the descriptor could not be armed and the caller
+still holds the connection."
+  (let ((first-time-p (not (connection-armed-p connection))))
+    ;; Everything the next holder reads is written before arming: once
+    ;; armed, the connection may be taken before epoll_ctl even returns.
+    (setf (connection-deadline connection) deadline
+          (connection-armed-p connection) t
+          (connection-state connection) :parked)
+    (atomic-increment (readiness-set-parked-count set))
+    (or (if first-time-p
+            (epoll-watch (readiness-set-epoll-fd set) (connection-fd connection)
+                         (connection-token connection) :one-shot t :awaited (connection-awaiting connection))
+            (epoll-rearm (readiness-set-epoll-fd set) (connection-fd connection)
+                         (connection-token connection) :awaited (connection-awaiting connection)))
+        ;; Not armed; the sweeper may have taken it at its deadline meanwhile.
+        (not (take-parked-connection set connection)))))
+
+(defun map-parked-connections (set function)
+  "Call FUNCTION on every connection parked in SET now.  It is not taken: it
+may be taken by a worker before or while FUNCTION runs."
+  (let ((slots (readiness-set-slots set)))
+    (loop for connection across slots
+          when (and connection (eq (connection-state connection) :parked))
+            do (funcall function connection))))

@@ -1,0 +1,230 @@
+;;;; Replies.  A parallel acceptor's requests are processed by the engine's
+;;;; own HUNCHENTOOT:PROCESS-REQUEST method, which does what Hunchentoot's
+;;;; does -- the handler's specials, errors reported as 500, the status
+;;;; message for a handler that returned nothing, temporary files removed --
+;;;; except for the common reply: when the handler returned its body as a
+;;;; string or octets, the status line, headers and body are written to
+;;;; the connection as octets, headers computed as START-OUTPUT computes
+;;;; them, without a flexi-stream or FORMAT per header line (bench/profiles:
+;;;; a fifth of the samples of a trivial request went there).  Every other
+;;;; reply -- handlers that stream through SEND-HEADERS, bodiless replies
+;;;; such as 304, HTML rewritten for cookie-less sessions, a
+;;;; HUNCHENTOOT:*HEADER-STREAM* to copy headers to -- is Hunchentoot's.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defmethod hunchentoot:headers-out :around ((reply parallel-reply))
+  "The headers as they are read to be written (the headers are then marked
+sent: HUNCHENTOOT:START-OUTPUT marks them just before it reads them),
+refused when a value is unsafe (REFUSE-UNSAFE-HEADER-VALUES), and with
+Keep-Alive naming the acceptor's KEEP-ALIVE-TIMEOUT: START-OUTPUT writes
+timeout=<read timeout> when a client asks to be kept alive, but a parallel
+acceptor closes an idle connection after KEEP-ALIVE-TIMEOUT, and a client
+told otherwise would send its next request on a connection being closed.
+Hunchentoot's (SETF HEADER-OUT) cannot be specialized on the reply, its
+optional argument: hence the reader."
+  (let ((headers (call-next-method)))
+    (when (headers-sent-p)
+      (refuse-unsafe-header-values reply)
+      (let ((entry (and *serving* (assoc :keep-alive headers))))
+        (when entry
+          (setf (cdr entry) (serving-keep-alive-header-value *serving*)))))
+    headers))
+
+(defun set-connection-headers (request)
+  "Set the Connection and Keep-Alive headers and whether the connection
+ends after this reply, as START-OUTPUT does for a reply whose length is
+known."
+  (let ((acceptor hunchentoot:*acceptor*))
+    (multiple-value-bind (keep-alive-p keep-alive-requested-p) (keep-alive-reply-p request)
+      (cond (keep-alive-p
+             (setf (finish-processing-connection-p) nil)
+             (when (and (hunchentoot:acceptor-read-timeout acceptor)
+                        (or (not (eq (hunchentoot:server-protocol request) :http/1.1))
+                            keep-alive-requested-p))
+               (unless (hunchentoot:header-out :connection)
+                 (setf (hunchentoot:header-out :connection) "Keep-Alive"))
+               (setf (hunchentoot:header-out :keep-alive)
+                     (if *serving*
+                         (serving-keep-alive-header-value *serving*)
+                         (format nil "timeout=~D" (hunchentoot:acceptor-read-timeout acceptor))))))
+            ((not (header-out-set-p :connection))
+             (setf (hunchentoot:header-out :connection) "Close"))))))
+
+(defun set-server-and-date-headers ()
+  (unless (and (header-out-set-p :server) (null (hunchentoot:header-out :server)))
+    (setf (hunchentoot:header-out :server)
+          (or (hunchentoot:header-out :server)
+              (and *serving* (serving-server-header-value *serving*))
+              (acceptor-server-name hunchentoot:*acceptor*))))
+  (setf (hunchentoot:header-out :date) (date-header-value)))
+
+(defun body-octets (content)
+  "CONTENT as octets; a string is encoded in the reply's external format,
+and the charset added to a text content type, as START-OUTPUT does."
+  (if (stringp content)
+      (let ((external-format (hunchentoot:reply-external-format*)))
+        (setf (hunchentoot:content-type*)
+              (content-type-with-charset (hunchentoot:content-type*) external-format))
+        (flex:string-to-octets content :external-format external-format))
+      content))
+
+;;; Writing it.
+
+(defun octets-reply-p (request content)
+  "True when the reply with CONTENT is written as octets: a string or octet
+body, headers not sent yet, no header stream to copy them to, and no HTML
+to rewrite for a cookie-less session."
+  (and (or (stringp content) (typep content '(vector (unsigned-byte 8))))
+       (not (headers-sent-p))
+       (null hunchentoot:*header-stream*)
+       (not (and (stringp content) hunchentoot:*rewrite-for-session-urls* (hunchentoot:session request)))))
+
+(defun build-reply-head (request return-code content-length)
+  "Build RETURN-CODE's status line and the headers, for a body of
+CONTENT-LENGTH octets, in the worker's REPLY-HEAD: headers as START-OUTPUT
+sets them, the access log entry and the reading of an unread body as
+SEND-RESPONSE does.  Returns the REPLY-HEAD."
+  (set-connection-headers request)
+  (set-server-and-date-headers)
+  (let ((head (if *serving* (serving-reply-head *serving*) (make-reply-head)))
+        (reply hunchentoot:*reply*))
+    (setf (hunchentoot:header-out :content-length) content-length
+          (headers-sent-p) t)
+    ;; Read once the headers are marked sent: a PARALLEL-REPLY's are checked
+    ;; as they are read; any other's here.  Before the access log, which
+    ;; would otherwise log a reply that is not sent.
+    (let ((headers (hunchentoot:headers-out reply)))
+      (unless (typep reply 'parallel-reply)
+        (refuse-unsafe-header-values reply))
+      (hunchentoot:acceptor-log-access hunchentoot:*acceptor* :return-code return-code)
+      (hunchentoot:raw-post-data :force-binary t)
+      (setf (reply-head-end head) 0)
+      (push-octets (status-line return-code) head)
+      (loop for (name . value) in headers
+            when value
+              do (push-header-line (chunga:as-capitalized-string name) value head)))
+    (loop for (nil . cookie) in (hunchentoot:cookies-out*)
+          do (push-header-line "Set-Cookie" (cookie-header-value cookie) head))
+    (push-crlf head)
+    head))
+
+(defconstant +copy-buffer-octets+ 65536
+  "The piece in which a file is copied where it cannot be sent by sendfile.")
+
+(defun copy-file-octets (file-fd stream start end)
+  "Write the octets of FILE-FD from START below END to STREAM through a
+buffer.  True when they all could be read; false when the file ended early
+(it was truncated)."
+  (let ((buffer (make-array (min +copy-buffer-octets+ (max 1 (- end start))) :element-type '(unsigned-byte 8))))
+    (loop for position = start then (+ position count)
+          for count = (and (< position end) (read-file-octets file-fd buffer position))
+          while (and count (plusp count))
+          do (write-sequence buffer stream :end (min count (- end position)))
+          finally (return (>= position end)))))
+
+(defun write-pieces (pieces file-fd stream)
+  "Write PIECES to STREAM, file pieces copied from FILE-FD.  True when they
+all went whole."
+  (loop for piece in pieces
+        always (if (piece-octets piece)
+                   (progn (write-sequence (piece-octets piece) stream
+                                          :start (piece-start piece) :end (piece-end piece))
+                          t)
+                   (copy-file-octets file-fd stream (piece-start piece) (piece-end piece)))))
+
+(defconstant +coalesced-body-bytes+ 16384
+  "A body of at most these octets goes into the head's buffer, so that head
+and body leave in one send(2).")
+
+(defun engine-reply-connection ()
+  "The plain connection a reply may be left to the engine on: the
+current request's, when the handler neither detached it nor wrapped its
+stream.  NIL otherwise."
+  (let ((connection (and *serving* (serving-reply-connection *serving*))))
+    (and connection
+         (close-connection-stream-p)
+         (eq (current-connection-stream) (connection-fd-stream connection))
+         connection)))
+
+(defun send-reply-pieces (request return-code content-length body &optional file-fd)
+  "Send RETURN-CODE's head (see BUILD-REPLY-HEAD) for a body of
+CONTENT-LENGTH octets, then BODY: NIL, octets, or a list of pieces whose
+file pieces are read from FILE-FD, which stays the caller's.  On a plain
+connection the reply is sent without waiting and what the socket does not
+take is left to the engine, which sends it when the client reads; a body of
+octets up to +COALESCED-BODY-BYTES+ goes in the head's buffer.  Elsewhere
+it is written to the current connection stream.  True when the body went
+whole or will; false when the client has gone or the file ended early."
+  (let ((head (build-reply-head request return-code content-length))
+        (connection (engine-reply-connection)))
+    (if connection
+        (progn
+          (finish-output (current-connection-stream))
+          (when (and (typep body 'octets) (<= (length body) +coalesced-body-bytes+))
+            (push-octets body head)
+            (setf body nil))
+          (send-reply-without-waiting (serving-set *serving*) connection
+                                      (reply-head-octets head) (reply-head-end head) body file-fd))
+        (let ((stream (current-connection-stream)))
+          (write-sequence (reply-head-octets head) stream :end (reply-head-end head))
+          (write-pieces (body-pieces body) file-fd stream)))))
+
+(defun send-octets-reply (request return-code content)
+  "Send RETURN-CODE with the body CONTENT, a string or octets, head and
+body as octets (SEND-REPLY-PIECES).  No body for HEAD."
+  (let ((octets (coerce (body-octets content) 'octets)))
+    (unless (send-reply-pieces request return-code (length octets)
+                               (unless (eq (hunchentoot:request-method request) :head) octets))
+      (setf (finish-processing-connection-p) t))))
+
+(defun send-reply (request return-code content)
+  "Send the reply: as octets when OCTETS-REPLY-P, else by Hunchentoot's
+START-OUTPUT."
+  (if (octets-reply-p request content)
+      (send-octets-reply request return-code content)
+      (hunchentoot-start-output return-code content)))
+
+;;; Processing a request.
+
+(defun report-handler-error (request error &optional backtrace)
+  "Log ERROR as Hunchentoot does and answer 500 with the acceptor's status
+message, unless the reply has begun."
+  (when hunchentoot:*log-lisp-errors-p*
+    (hunchentoot:log-message* hunchentoot:*lisp-errors-log-level* "~A~@[~%~A~]"
+                              error (and hunchentoot:*log-lisp-backtraces-p* backtrace)))
+  (send-reply request hunchentoot:+http-internal-server-error+
+              (hunchentoot:acceptor-status-message hunchentoot:*acceptor* hunchentoot:+http-internal-server-error+
+                                                   :error (princ-to-string error)
+                                                   :backtrace (princ-to-string backtrace))))
+
+(defmethod hunchentoot:process-request ((request parallel-request))
+  "Under a PARALLEL-ACCEPTOR, Hunchentoot's request processing with the
+common reply written as octets (see engine/reply.lisp); under any other
+acceptor, Hunchentoot's own."
+  (if (not (typep hunchentoot:*acceptor* 'parallel-acceptor))
+      (call-next-method)
+      (catching-request-end
+        (with-request-specials (request)
+          (unwind-protect
+               (usocket:with-mapped-conditions ()
+                 (multiple-value-bind (contents error backtrace)
+                     ;; A request its initializer found bad has its 400 already.
+                     (when (eql (hunchentoot:return-code*) hunchentoot:+http-ok+)
+                       (catching-handler-end
+                         (hunchentoot:handle-request hunchentoot:*acceptor* request)))
+                   (when (hunchentoot:acceptor-ssl-p hunchentoot:*acceptor*)
+                     ;; The reply goes through OpenSSL.
+                     (forget-tls-errors))
+                   (when error
+                     (report-handler-error request error backtrace))
+                   (unless (headers-sent-p)
+                     (handler-case
+                         (with-hunchentoot-debugger
+                           (send-reply request (hunchentoot:return-code*)
+                                       (or contents
+                                           (hunchentoot:acceptor-status-message hunchentoot:*acceptor*
+                                                                                (hunchentoot:return-code*)))))
+                       (error (condition)
+                         (report-handler-error request condition))))))
+            (delete-request-temporary-files))))))

@@ -1,0 +1,258 @@
+;;;; The request cycle: what a worker does with a connection it has taken
+;;;; up.  It sends the rest of the connection's last reply, then answers
+;;;; every request whose head has arrived, reading the bodies that follow
+;;;; the heads, as Hunchentoot's own PROCESS-CONNECTION would -- its
+;;;; specials, PROCESS-REQUEST, RESET-CONNECTION-STREAM -- until the
+;;;; connection has to wait or end.  Every function of the cycle returns one
+;;;; of these outcomes, with its detail:
+;;;;
+;;;;   :NEXT end       A request was answered and the connection stays open.
+;;;;                   The next request's octets start the worker's buffer,
+;;;;                   END of them (0: none yet).  Never the end of a turn:
+;;;;                   the cycle goes on to that request.
+;;;;   :PARK end       The next head has not all arrived; END octets of it
+;;;;                   start the buffer.  Wait for more, under the header
+;;;;                   timeout (or, with none, the keep-alive timeout).
+;;;;   :READ-BODY      A request's body is arriving: wait for more of it.
+;;;;   :SEND-REST end  The socket did not take a reply whole: wait for room,
+;;;;                   keeping the END octets the client sent meanwhile.
+;;;;   :CLOSE          The connection ends: the reply said so, or the client
+;;;;                   went away.
+;;;;   :LET-GO         A handler took the connection over (DETACH-SOCKET).
+;;;;   :REFUSE status  Answer STATUS and close, no handler asked.
+;;;;
+;;;; PROCESS-CONNECTION (connections.lisp) parks, closes or lets go of the
+;;;; connection by the outcome of the turn.  The worker's buffer is never an
+;;;; argument of these functions, whose frames a handler's backtrace shows:
+;;;; it holds other clients' octets.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+;;; One request.
+
+(defun answer-request (serving connection head content-stream chunked-p continue-p)
+  "Answer the request whose REQUEST-HEAD is HEAD: make its request object,
+process it with Hunchentoot's specials bound, flush the reply and reset the
+connection stream.  Its body is read from CONTENT-STREAM; CHUNKED-P says
+that stream decodes a chunked body, and it is then also the stream the
+reply is written to, which is how Hunchentoot tells that the body is
+chunked.  A 100 Continue goes first when CONTINUE-P.  Returns :NEXT (the
+caller finds where the next request starts), :CLOSE, :LET-GO, or :REFUSE
+and a status (a chunked body refused before the reply began)."
+  (let ((acceptor (serving-acceptor serving))
+        (taskmaster (engine-taskmaster (serving-engine serving)))
+        (worker (serving-worker serving))
+        (stream (connection-stream connection))
+        (started (get-internal-real-time))
+        (outcome nil)
+        (status nil))
+    (unless (note-request-started taskmaster worker)
+      (return-from answer-request :close))
+    (unwind-protect
+         (handler-bind ((error
+                          (lambda (condition)
+                            (declare (ignore condition))
+                            ;; Escaping Hunchentoot, a refused chunked body
+                            ;; comes wrapped in USOCKET conditions: the stream
+                            ;; tells.
+                            (let ((refusal (unanswered-body-refusal content-stream chunked-p)))
+                              (when refusal
+                                (return-from answer-request (values :refuse refusal)))))))
+           (when continue-p
+             (write-sequence *continue-reply* stream)
+             (force-output stream))
+           (setf (serving-reply-connection serving)
+                 (and (not chunked-p) (plain-connection-p connection) connection))
+           (with-request-bindings ()
+             (setf (current-connection-stream) (if chunked-p content-stream stream))
+             (let ((reply (make-reply (serving-constructors serving))))
+               (let ((hunchentoot:*reply* reply)
+                     (hunchentoot:*session* nil))
+                 (call-with-request-counted
+                  acceptor
+                  (lambda ()
+                    (hunchentoot:process-request
+                     (make-request (serving-constructors serving) acceptor head
+                                   (connection-addresses connection) content-stream)))))
+               (finish-output (current-connection-stream))
+               (setf (current-connection-stream)
+                     (hunchentoot:reset-connection-stream acceptor (current-connection-stream)))
+               (setf status (hunchentoot:return-code reply)
+                     outcome (cond ((not (close-connection-stream-p)) :let-go)
+                                   ((finish-processing-connection-p) :close)
+                                   (t :next))))))
+      (setf (serving-reply-connection serving) nil)
+      ;; Also when the request failed: a soft STOP waits for it.
+      (note-request-finished taskmaster worker :answered (and outcome t)))
+    (setf (connection-answered-p connection) t)
+    (count-answered-request (readiness-set-counters (serving-set serving)) status started)
+    outcome))
+
+;;; A request whose body arrives after its head.
+
+(defun answer-arrived-body (serving connection)
+  "Read what has arrived of CONNECTION's ARRIVING-BODY; once it is whole,
+answer its request.  :READ-BODY while more is to come; :REFUSE 500 when it
+could not be stored, 400 or 413 when its chunked framing is refused;
+:CLOSE when the client left; else the request's outcome, with the octets
+read past a chunked body's end as the next request's."
+  (let* ((acceptor (serving-acceptor serving))
+         (buffer (serving-buffer serving))
+         (body (connection-arriving-body connection)))
+    (multiple-value-bind (state detail)
+        (handler-case (receive-body-octets connection body buffer (acceptor-body-buffer-bytes acceptor))
+          (request-body-not-stored (condition)
+            (log-safely acceptor :error "~A" condition)
+            (return-from answer-arrived-body (values :refuse 500))))
+      (ecase state
+        (:would-block :read-body)
+        (:closed :close)
+        (:refuse (values :refuse detail))
+        (:whole
+         (let ((chunked-p (and (arriving-body-framing body) t))
+               (next-octets (or detail #())))
+           (multiple-value-bind (outcome status)
+               (unwind-protect
+                    (answer-request serving connection (arriving-body-head body)
+                                    (if chunked-p
+                                        ;; The reply goes through it too.
+                                        (make-chunked-body-stream
+                                         (make-two-way-stream (arrived-body-stream body)
+                                                              (connection-stream connection))
+                                         (acceptor-max-body-bytes acceptor))
+                                        (arrived-body-stream body))
+                                    chunked-p nil)
+                 (discard-arriving-body (serving-set serving) connection))
+             (if (eq outcome :next)
+                 (progn (replace buffer next-octets)
+                        (values :next (length next-octets)))
+                 (values outcome status)))))))))
+
+(defun start-reading-body (serving connection head length framing head-end end)
+  "Make the body of HEAD (LENGTH octets, or chunked as FRAMING follows),
+whose first octets lie in the buffer from HEAD-END below END, CONNECTION's
+ARRIVING-BODY, after a 100 Continue if its client waits for one; then read
+what has arrived of it (ANSWER-ARRIVED-BODY)."
+  (when (expects-continue-p head)
+    (write-sequence *continue-reply* (connection-stream connection))
+    (force-output (connection-stream connection)))
+  (start-arriving-body (serving-set serving) connection head length framing (serving-buffer serving) head-end end)
+  (answer-arrived-body serving connection))
+
+(defun body-still-arriving-p (headers head-end end)
+  "True when HEADERS declare a Content-Length body that has not all arrived
+in the buffer, whose head ends at HEAD-END and octets at END."
+  (let ((content-length (cdr (assoc :content-length headers))))
+    (and content-length (> (parse-integer content-length) (- end head-end)))))
+
+(defun arriving-chunk-framing (headers buffer head-end end max-body-bytes)
+  "When HEADERS declare a chunked body whose end is not among the octets of
+BUFFER from HEAD-END below END, the CHUNK-FRAMING that has followed them;
+when its framing there is refused, NIL and the status to refuse the
+request with (400, 413), before any handler reads it; else NIL (no
+chunked body, or all of it is there)."
+  (when (assoc :transfer-encoding headers)
+    (let ((framing (make-chunk-framing max-body-bytes)))
+      (multiple-value-bind (state status) (scan-chunk-framing framing buffer head-end end)
+        (case state
+          (:incomplete framing)
+          (:refuse (values nil status)))))))
+
+;;; A complete head in the buffer.
+
+(defun answer-head (serving connection request-start request-line-end head-end end)
+  "Answer the request whose complete head lies in the buffer from
+REQUEST-START (its request line's LF at REQUEST-LINE-END) below HEAD-END,
+END octets having arrived in all, or begin reading its body."
+  (let* ((buffer (serving-buffer serving))
+         (acceptor (serving-acceptor serving))
+         (head (handler-case (parse-request-head buffer request-start request-line-end head-end
+                                                 (serving-name-scratch serving))
+                 (request-head-refused (condition)
+                   (return-from answer-head (values :refuse (refused-status condition))))))
+         (headers (request-head-headers head))
+         (framing nil)
+         (framing-refusal nil))
+    (cond ((and (assoc :transfer-encoding headers)
+                (not (hunchentoot:acceptor-input-chunking-p acceptor)))
+           ;; This acceptor takes no chunked body: RFC 9112 6.3 says 411.
+           (values :refuse 411))
+          ((body-over-limit-p headers (acceptor-max-body-bytes acceptor))
+           ;; Refused before a 100 Continue, so the client need not send it.
+           (values :refuse 413))
+          ((body-still-arriving-p headers head-end end)
+           (start-reading-body serving connection head (parse-integer (cdr (assoc :content-length headers)))
+                               nil head-end end))
+          ((progn (setf (values framing framing-refusal)
+                        (arriving-chunk-framing headers buffer head-end end (acceptor-max-body-bytes acceptor)))
+                  framing-refusal)
+           ;; Refused before dispatch: a client's mistake costs no handler
+           ;; and no backtrace.
+           (values :refuse framing-refusal))
+          (framing
+           (start-reading-body serving connection head nil framing head-end end))
+          (t
+           (let ((body-p (request-has-body-p headers)))
+             (multiple-value-bind (content-stream buffered chunked-p)
+                 (if body-p
+                     (content-stream-for headers (connection-stream connection) buffer head-end end)
+                     (connection-stream connection))
+               (multiple-value-bind (outcome status)
+                   (answer-request serving connection head content-stream chunked-p (expects-continue-p head))
+                 (if (eq outcome :next)
+                     ;; A chunked body read only in part leaves no way to
+                     ;; find where the next request starts.
+                     (let ((next-end (and (or (not chunked-p) (body-finished-p content-stream))
+                                          (next-request-octets connection buffer body-p buffered head-end end))))
+                       (if next-end (values :next next-end) :close))
+                     (values outcome status)))))))))
+
+;;; A turn.
+
+(defun answer-arrived-requests (serving connection)
+  "Send the rest of CONNECTION's last reply, then answer every request it
+has sent so far, reading the bodies that follow their heads, until the
+connection has to wait or end: the outcome of the turn, never :NEXT."
+  (let* ((buffer (serving-buffer serving))
+         (max-header-bytes (acceptor-max-header-bytes (serving-acceptor serving)))
+         (end (take-pending-bytes connection buffer)))
+    (when (connection-outgoing connection)
+      (case (send-outgoing (serving-set serving) connection)
+        (:would-block (return-from answer-arrived-requests (values :send-rest end)))
+        (:close (return-from answer-arrived-requests :close))))
+    (loop
+      (multiple-value-bind (outcome detail)
+          (if (connection-arriving-body connection)
+              (answer-arrived-body serving connection)
+              (multiple-value-bind (status request-start request-line-end head-end)
+                  (scan-request-head buffer 0 end max-header-bytes)
+                (case status
+                  (:complete (answer-head serving connection request-start request-line-end head-end end))
+                  (:incomplete (values :park end))
+                  (t (values :refuse status)))))
+        (let ((outgoing (connection-outgoing connection)))
+          (case outcome
+            (:park
+             ;; Read what else has come before parking.
+             (let ((count (receive-bytes connection buffer end (length buffer))))
+               (cond ((eq count :would-block) (return (values :park end)))
+                     ((or (eq count :error) (zerop count)) (return :close))
+                     (t (unless (connection-head-started connection)
+                          (setf (connection-head-started connection) (get-internal-real-time)))
+                        (incf end count)))))
+            (:next
+             (setf end detail
+                   (connection-head-started connection) (and (plusp end) (get-internal-real-time)))
+             (when outgoing
+               (setf (outgoing-then outgoing) :keep-alive)
+               (return (values :send-rest end)))
+             (when (zerop end)
+               ;; Trying one more read before parking did not pay (bench
+               ;; run 2026-11-22T004655Z): a kept-alive connection parks.
+               (return (values :park 0))))
+            ((:close :let-go)
+             (when outgoing
+               (setf (outgoing-then outgoing) :close)
+               (return (values :send-rest 0)))
+             (return outcome))
+            (t (return (values outcome detail)))))))))

@@ -1,0 +1,56 @@
+;;;; What a worker of the readiness engine serves with, in one object made
+;;;; once per worker thread: its buffer, the readiness set, the acceptor's
+;;;; request and reply constructors, the buffer replies are built in.  The
+;;;; request cycle passes it as an argument; the code Hunchentoot calls back
+;;;; into (PROCESS-REQUEST and the reply) finds it in *SERVING*.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defstruct (serving (:constructor %make-serving))
+  "A worker's means of serving the connections of one run of the engine."
+  (engine nil :type readiness-engine :read-only t)
+  ;; The pool's WORKER record of the thread.
+  (worker nil :read-only t)
+  ;; The engine's READINESS-SET of this run.
+  (set nil :type readiness-set :read-only t)
+  (acceptor nil :read-only t)
+  ;; Where heads are read and the next request's octets moved to.  It holds
+  ;; other clients' octets: it is never an argument a handler's backtrace
+  ;; could show.
+  (buffer nil :type octets :read-only t)
+  ;; The REPLY-HEAD replies are built in.
+  (reply-head (make-reply-head) :type reply-head :read-only t)
+  ;; The string header names are spelled in (MAKE-NAME-SCRATCH).
+  (name-scratch (make-name-scratch) :read-only t)
+  ;; The engine's OBJECT-CONSTRUCTORS of this run.
+  (constructors nil :type object-constructors :read-only t)
+  ;; What the Keep-Alive header says: timeout= the whole seconds a
+  ;; kept-alive connection stays open (the acceptor's KEEP-ALIVE-TIMEOUT).
+  (keep-alive-header-value "" :type string :read-only t)
+  ;; The acceptor's server name, asked once: Hunchentoot formats it anew at
+  ;; every call.
+  (server-header-value nil :read-only t)
+  ;; While a request on a plain connection is answered, that CONNECTION: a
+  ;; reply written as pieces may then be left to the engine.  NIL otherwise.
+  (reply-connection nil))
+
+(defmethod print-object ((serving serving) stream)
+  ;; Backtraces print it: never the buffer, which holds other clients' octets.
+  (print-unreadable-object (serving stream :type t :identity t)))
+
+(defvar *serving* nil
+  "In a worker of the readiness engine, its SERVING; NIL elsewhere.")
+
+(defun head-buffer-bytes (acceptor)
+  "A worker's buffer takes the largest head allowed, with room to spare for
+pipelined requests."
+  (max 32768 (+ +max-request-line-bytes+ (acceptor-max-header-bytes acceptor) 1024)))
+
+(defun make-serving (engine worker)
+  "The SERVING of WORKER, a worker of ENGINE, for ENGINE's current run."
+  (let ((acceptor (engine-acceptor engine)))
+    (%make-serving :engine engine :worker worker :set (engine-readiness-set engine) :acceptor acceptor
+                   :buffer (make-array (head-buffer-bytes acceptor) :element-type '(unsigned-byte 8))
+                   :constructors (engine-object-constructors engine)
+                   :keep-alive-header-value (format nil "timeout=~D" (floor (acceptor-keep-alive-timeout acceptor)))
+                   :server-header-value (acceptor-server-name acceptor))))

@@ -1,0 +1,88 @@
+;;;; The keys of TASKMASTER-STATISTICS, in one place: what each one counts,
+;;;; and its name in PROMETHEUS-METRICS.  The pool and the engine make the
+;;;; plist under these keys; PROMETHEUS-METRICS, the docstring of
+;;;; TASKMASTER-STATISTICS and the table in docs/operations.md are made from
+;;;; this list (a test compares them).
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defparameter *statistics-keys*
+  '((:threads :gauge "threads" "Worker threads in the pool.")
+    (:busy-threads :gauge "busy_threads" "Workers not waiting for work.")
+    (:accepting-threads :gauge "waiting_threads" "Workers waiting for work.")
+    (:in-request-threads :gauge "in_request_threads"
+     "Workers between a complete request head and its reply.")
+    (:peak-threads :gauge "peak_threads" "The most workers the pool has held at once.")
+    (:requests-served :counter "requests_served_total" "Requests answered through a handler.")
+    (:threads-created :counter "threads_created_total" "Worker threads made.")
+    (:threads-retired :counter "threads_retired_total" "Worker threads ended as surplus.")
+    (:growth-declined :counter "growth_declined_total"
+     "Times the pool was asked to grow while the processors had no idle time, and did not.")
+    (:parked-connections :gauge "parked_connections"
+     "Connections waiting without a thread, for bytes or for room to write.")
+    (:open-connections :gauge "open_connections" "Connections parked or being served.")
+    (:unsent-replies :gauge "unsent_replies"
+     "Connections whose reply the socket has not taken whole, waiting for the client to read.")
+    (:arriving-bodies :gauge "arriving_bodies" "Requests whose body the engine is reading, before dispatch.")
+    (:tls-handshakes :gauge "tls_handshakes" "Connections whose TLS handshake the engine is taking.")
+    (:connections-accepted :counter "connections_accepted_total" "Connections accepted.")
+    (:keep-alive-timeouts :counter "keep_alive_timeouts_total"
+     "Kept-alive connections closed after KEEP-ALIVE-TIMEOUT idle seconds.")
+    (:write-timeouts :counter "write_timeouts_total"
+     "Connections closed because their client took none of its reply for the write timeout.")
+    (:body-timeout-replies :counter "body_timeout_replies_total"
+     "Requests answered 408 because their body stalled for the read timeout.")
+    (:handshake-timeouts :counter "handshake_timeouts_total"
+     "Connections closed because their TLS handshake was not done within the header timeout.")
+    (:bad-request-replies (:refused 400) "refused_requests_total"
+     "Requests refused 400: a malformed head, an ambiguous body length, a missing or invalid Host, a malformed chunked body.")
+    (:header-timeout-replies (:refused 408) "refused_requests_total"
+     "Requests answered 408: the head did not arrive within HEADER-TIMEOUT.")
+    (:length-required-replies (:refused 411) "refused_requests_total"
+     "Requests refused 411: a chunked body to an acceptor without input chunking.")
+    (:content-too-large-replies (:refused 413) "refused_requests_total"
+     "Requests refused 413: a body over MAX-BODY-BYTES.")
+    (:uri-too-long-replies (:refused 414) "refused_requests_total"
+     "Requests refused 414: a request line over 8 KiB.")
+    (:header-too-large-replies (:refused 431) "refused_requests_total"
+     "Requests refused 431: more than 100 header lines, or a header block over MAX-HEADER-BYTES.")
+    (:body-not-stored-replies (:refused 500) "refused_requests_total"
+     "Requests answered 500: a body the temporary directory would not take.")
+    (:not-implemented-replies (:refused 501) "refused_requests_total"
+     "Requests refused 501: a transfer coding other than chunked, or a method over 32 octets.")
+    (:queue-timeout-replies (:refused 503) "refused_requests_total"
+     "Requests answered 503: a complete request waited QUEUE-TIMEOUT for a worker.")
+    (:version-not-supported-replies (:refused 505) "refused_requests_total"
+     "Requests refused 505: an HTTP version other than 1.x.")
+    (:replies-by-class :by-class "replies_total"
+     "Replies by status class, refusals included: an alist from 1 to 5 (1xx to 5xx) to their counts.")
+    (:request-duration-buckets :histogram-buckets "request_duration_seconds"
+     "Requests answered through a handler, by seconds from the complete head to the flushed reply: an alist from each upper bound to the count that took at most that long.")
+    (:request-duration-count :histogram-count "request_duration_seconds_count"
+     "Requests in the histogram.")
+    (:request-duration-seconds :histogram-sum "request_duration_seconds_sum"
+     "The sum of their durations, in seconds."))
+  "Every key of TASKMASTER-STATISTICS: (KEY KIND PROMETHEUS-NAME DESCRIPTION).
+KIND is :GAUGE or :COUNTER for a number; (:REFUSED STATUS) for the count of
+requests the engine answered STATUS by itself; :BY-CLASS for the alist of
+replies by status class; :HISTOGRAM-BUCKETS, :HISTOGRAM-COUNT and
+:HISTOGRAM-SUM for the request-duration histogram.  The Prometheus name
+follows the metrics' prefix; refusals share one family labelled by
+status.")
+
+(defun refusal-statistics-key (status)
+  "The key of TASKMASTER-STATISTICS counting the requests the engine
+answered STATUS by itself."
+  (first (find-if (lambda (entry)
+                    (let ((kind (second entry)))
+                      (and (consp kind) (eql (second kind) status))))
+                  *statistics-keys*)))
+
+(defun statistics-keys-table ()
+  "The Markdown table of *STATISTICS-KEYS* that docs/operations.md shows."
+  (with-output-to-string (out)
+    (format out "| Key | Prometheus | What it counts |~%|---|---|---|~%")
+    (loop for (key kind name description) in *statistics-keys*
+          do (format out "| `~(~S~)` | `~A~@[~A~]` | ~A |~%"
+                     key name (and (consp kind) (format nil "{status=\"~D\"}" (second kind)))
+                     description))))

@@ -1,0 +1,81 @@
+;;;; The readiness set's system calls: epoll(7), and an eventfd(2) to wake
+;;;; its waiters.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defun make-epoll-set ()
+  "A new epoll(7) instance; its file descriptor."
+  (let ((fd (sb-alien:alien-funcall
+             (sb-alien:extern-alien "epoll_create1" (function sb-alien:int sb-alien:int))
+             +epoll-cloexec+)))
+    (when (minusp fd) (foreign-error "epoll_create1"))
+    fd))
+
+(defun epoll-control (epoll-fd operation fd token events)
+  "epoll_ctl(2).  True on success; false when FD is gone (EBADF, ENOENT)."
+  (sb-alien:with-alien ((event (array (sb-alien:unsigned 8) #.+epoll-event-bytes+)))
+    (let ((sap (sb-alien:alien-sap event)))
+      (setf (sb-sys:sap-ref-32 sap 0) events
+            (sb-sys:sap-ref-64 sap +epoll-data-offset+) token)
+      (zerop (sb-alien:alien-funcall
+              (sb-alien:extern-alien "epoll_ctl" (function sb-alien:int sb-alien:int sb-alien:int
+                                                           sb-alien:int sb-sys:system-area-pointer))
+              epoll-fd operation fd sap)))))
+
+(defun epoll-events (awaited one-shot)
+  (logior (ecase awaited
+            (:input (logior +epollin+ +epollrdhup+))
+            (:output +epollout+))
+          (if one-shot +epolloneshot+ 0)))
+
+(defun epoll-watch (epoll-fd fd token &key one-shot (awaited :input))
+  "Add FD to the set: readable (or hung up) reports TOKEN, or writable when
+AWAITED is :OUTPUT.  ONE-SHOT disarms FD once it has been reported to one
+waiter, until EPOLL-REARM."
+  (epoll-control epoll-fd +epoll-ctl-add+ fd token (epoll-events awaited one-shot)))
+
+(defun epoll-rearm (epoll-fd fd token &key (awaited :input))
+  "Arm a one-shot FD again, for input or for output as AWAITED says."
+  (epoll-control epoll-fd +epoll-ctl-mod+ fd token (epoll-events awaited t)))
+
+(defun epoll-disarm (epoll-fd fd token)
+  "Keep FD in the set but report nothing for it until it is armed again."
+  (epoll-control epoll-fd +epoll-ctl-mod+ fd token 0))
+
+(defun epoll-wait-one (epoll-fd milliseconds)
+  "Wait up to MILLISECONDS for one ready descriptor: its token, :TIMEOUT, or
+:INTERRUPTED (EINTR: SBCL stops every thread with a signal for garbage
+collection several times a second, and interrupts arrive the same way)."
+  (sb-alien:with-alien ((event (array (sb-alien:unsigned 8) #.+epoll-event-bytes+)))
+    (let* ((sap (sb-alien:alien-sap event))
+           (count (sb-alien:alien-funcall
+                   (sb-alien:extern-alien "epoll_wait" (function sb-alien:int sb-alien:int
+                                                                 sb-sys:system-area-pointer
+                                                                 sb-alien:int sb-alien:int))
+                   epoll-fd sap 1 milliseconds)))
+      (cond ((= count 1) (sb-sys:sap-ref-64 sap +epoll-data-offset+))
+            ((zerop count) :timeout)
+            ((= (sb-alien:get-errno) +eintr+) :interrupted)
+            (t (foreign-error "epoll_wait"))))))
+
+(defun make-wakeup-fd ()
+  "An eventfd(2): once signalled it stays readable, so, watched level-triggered,
+it wakes every waiter of an epoll set, now and later."
+  (let ((fd (sb-alien:alien-funcall
+             (sb-alien:extern-alien "eventfd" (function sb-alien:int sb-alien:unsigned sb-alien:int))
+             0 +efd-cloexec+)))
+    (when (minusp fd) (foreign-error "eventfd"))
+    fd))
+
+(defun signal-wakeup-fd (fd)
+  (sb-alien:with-alien ((value (sb-alien:unsigned 64)))
+    (setf value 1)
+    (sb-unix:unix-write fd (sb-alien:alien-sap (sb-alien:addr value)) 0 8)))
+
+(defun close-fd (fd)
+  (sb-unix:unix-close fd))
+
+(defun open-spare-fd ()
+  "A descriptor on /dev/null, kept to be given up when the process has no
+other: its number, or NIL when none could be opened."
+  (sb-unix:unix-open "/dev/null" sb-unix:o_rdonly 0))

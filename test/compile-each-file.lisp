@@ -1,0 +1,49 @@
+;;;; Run by the test HOUSE.EACH-FILE-COMPILES-ALONE-IN-ASD-ORDER in a fresh
+;;;; SBCL: compiles each file of the library on its own, in the order of
+;;;; hunchentoot-recycling-taskmaster.asd, loading each after it compiles,
+;;;; so that a call to a function (or a use of a macro or variable) that
+;;;; only a later file defines is reported as undefined.  Prints one line
+;;;; per such reference; exits 0 when there is none.
+
+(load (merge-pathnames "../tools/setup.lisp" *load-truename*))
+
+(defun source-files (component)
+  "The library's source files under COMPONENT, in the .asd's order."
+  (typecase component
+    (asdf:cl-source-file (list component))
+    (asdf:parent-component (mapcan #'source-files (asdf:component-children component)))))
+
+(defun compile-alone (file output)
+  "Compile FILE, an ASDF component, in a compilation unit of its own into
+OUTPUT: the undefined references it makes, as lines of text."
+  (let ((undefined '()))
+    (handler-bind ((warning (lambda (warning)
+                              (let ((text (princ-to-string warning)))
+                                (when (search "undefined" text)
+                                  (push (format nil "~A: ~A" (asdf:component-name file) text) undefined)))
+                              (muffle-warning warning))))
+      (with-compilation-unit (:override t)
+        (let ((*compile-verbose* nil) (*compile-print* nil))
+          (compile-file (asdf:component-pathname file) :output-file output))))
+    (reverse undefined)))
+
+(let* ((system (asdf:find-system "hunchentoot-recycling-taskmaster"))
+       (files (source-files system))
+       (output-directory (merge-pathnames (format nil "hrt-compile-each-file-~36R/"
+                                                  (random (expt 2 64) (make-random-state t)))
+                                          (uiop:temporary-directory)))
+       (undefined '()))
+  (dolist (dependency (asdf:system-depends-on system))
+    (if (and (consp dependency) (eq (first dependency) :feature))
+        (require (third dependency))
+        (asdf:load-system dependency)))
+  (unwind-protect
+       (dolist (file files)
+         (let ((output (merge-pathnames (format nil "~A.fasl" (substitute #\- #\/ (asdf:component-name file)))
+                                        output-directory)))
+           (ensure-directories-exist output)
+           (setf undefined (append undefined (compile-alone file output)))
+           (load output)))
+    (uiop:delete-directory-tree output-directory :validate t :if-does-not-exist :ignore))
+  (format t "~{~A~%~}~D file~:P compiled, ~D undefined reference~:P~%" undefined (length files) (length undefined))
+  (uiop:quit (if undefined 1 0)))

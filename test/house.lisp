@@ -1,0 +1,78 @@
+;;;; The rules of docs/contributing.md that a machine can check: each
+;;;; library file compiles alone in the .asd's order, no library file is over
+;;;; 400 lines, the layout table lists every file of the checkout, and the
+;;;; statistics table of docs/operations.md is *STATISTICS-KEYS*'s.
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite house :in all :description "The layout and rules the docs promise.")
+(in-suite house)
+
+(defparameter *checkout*
+  (asdf:system-source-directory "hunchentoot-recycling-taskmaster")
+  "The folder of this checkout.")
+
+(defun checkout-path (relative)
+  (merge-pathnames relative *checkout*))
+
+(defun relative-path (pathname)
+  "PATHNAME's name relative to the checkout, with / between folders."
+  (enough-namestring pathname *checkout*))
+
+(defun text-between (text begin end)
+  "The part of TEXT between the lines BEGIN and END, or NIL when either is missing."
+  (let* ((start (search begin text))
+         (stop (and start (search end text :start2 start))))
+    (and stop (subseq text (+ start (length begin)) stop))))
+
+(defun checkout-files ()
+  "Every file of the checkout, relative to it, but those under .git/."
+  (let ((files '()))
+    (uiop:collect-sub*directories
+     *checkout* t
+     (lambda (directory) (not (equal ".git" (car (last (pathname-directory directory))))))
+     (lambda (directory)
+       (dolist (file (uiop:directory-files directory))
+         (push (relative-path file) files))))
+    files))
+
+(test house.each-file-compiles-alone-in-asd-order
+  (multiple-value-bind (output error-output status)
+      (uiop:run-program (list "sbcl" "--noinform" "--non-interactive" "--disable-debugger"
+                              "--load" (namestring (checkout-path "test/compile-each-file.lisp")))
+                        :output :string :error-output :string :ignore-error-status t)
+    (is (eql 0 status) "a file uses what only a later file defines:~%~A~A"
+        (let ((lines (remove-if-not (lambda (line) (search "undefined" line))
+                                    (uiop:split-string output :separator '(#\Newline)))))
+          (format nil "~{~A~%~}" lines))
+        (if (eql 0 status) "" (subseq error-output (max 0 (- (length error-output) 2000)))))
+    (is (search " 0 undefined references" output))))
+
+(test house.no-library-file-over-400-lines
+  (dolist (file (directory (checkout-path "src/**/*.lisp")))
+    (let ((lines (with-open-file (in file) (loop for line = (read-line in nil) while line count t))))
+      (is (<= lines 400) "~A has ~D lines" (relative-path file) lines))))
+
+(test house.layout-lists-every-file
+  (let* ((table (text-between (uiop:read-file-string (checkout-path "docs/contributing.md"))
+                              "<!-- layout: begin -->" "<!-- layout: end -->"))
+         (listed (and table
+                      (loop for line in (uiop:split-string table :separator '(#\Newline))
+                            for path = (cl-ppcre:register-groups-bind (path) ("^\\| `([^`]+)` \\|" line) path)
+                            when path collect path)))
+         (folders (remove-if-not (lambda (path) (uiop:string-suffix-p path "/")) listed))
+         (files (remove-if (lambda (path) (uiop:string-suffix-p path "/")) listed)))
+    (is (not (null table)) "docs/contributing.md has its layout table")
+    (dolist (file (checkout-files))
+      (unless (some (lambda (folder) (uiop:string-prefix-p folder file)) folders)
+        (is (member file files :test #'string=) "~A is not in the layout table" file)))
+    (dolist (path listed)
+      (is (probe-file (checkout-path path)) "the layout table lists ~A, which does not exist" path))))
+
+(test house.statistics-table-is-the-keys
+  (let ((documented (text-between (uiop:read-file-string (checkout-path "docs/operations.md"))
+                                  (format nil "<!-- statistics-keys: begin -->~%")
+                                  "<!-- statistics-keys: end -->")))
+    (is (equal (hunchentoot-recycling-taskmaster::statistics-keys-table) documented)
+        "docs/operations.md's table differs from *STATISTICS-KEYS*; it should read:~%~A"
+        (hunchentoot-recycling-taskmaster::statistics-keys-table))))
