@@ -95,7 +95,7 @@ Hunchentoot's: served by Hunchentoot's own initializer and PROCESS-REQUEST."))
         (concatenate 'string
                      (crlf-lines "POST /test/fields?x=get HTTP/1.1" "Host: localhost"
                                  "Content-Type: application/x-www-form-urlencoded"
-                                 "Content-Length: 13" "")
+                                 "Content-Length: 12" "")
                      "x=post&y=%41")))
 
 (test request-fields.same-as-hunchentoot
