@@ -43,7 +43,7 @@ run: deps
 	  --eval '(hunchentoot-recycling-taskmaster-demo:main :port $(PORT))'
 
 # The overload test holds a thousand client and a thousand server sockets.
-# A suite that hangs is ended after 20 minutes (a normal run takes 3 to 5),
+# A suite that hangs is ended after 20 minutes (a normal run takes about 2),
 # and killed 30 s later if it does not end on TERM.
 test: test-deps
 	ulimit -n 8192 2>/dev/null || ulimit -n $$(ulimit -Hn); \

@@ -58,19 +58,53 @@
       (is-false (closed-by-server-p socket) "the rest of the chunk is waited for, not refused for want of memory"))
     (is (eql 200 (http-get server "/test/yo")) "and the server goes on serving")))
 
+(defun decode-chunked (text &key max-body-bytes)
+  "What the engine's decoder reads from the chunked body TEXT followed by
+NEXT: the body as a string, its trailers, and what it left unread."
+  (let* ((in (flex:make-in-memory-input-stream
+              (flex:string-to-octets (concatenate 'string text "NEXT") :external-format :latin-1)))
+         (stream (hunchentoot-recycling-taskmaster::make-chunked-body-stream
+                  (make-two-way-stream in (make-broadcast-stream)) max-body-bytes))
+         (body (map 'string #'code-char (loop for octet = (read-byte stream nil) while octet collect octet))))
+    (values body
+            (chunga:chunked-input-stream-trailers stream)
+            (map 'string #'code-char (loop for octet = (read-byte in nil) while octet collect octet)))))
+
+(defparameter *malformed-chunked-bodies*
+  `(("no chunk size" ,(crlf-lines "" "abc" "0" ""))
+    ("a chunk size of 16 digits" ,(crlf-lines "1000000000000000" "abc"))
+    ("a size followed by garbage" ,(crlf-lines "3x" "abc" "0" ""))
+    ("a bare LF after the size" ,(format nil "3~Cabc~C~C0~C~C~C~C" #\Linefeed #\Return #\Linefeed
+                                         #\Return #\Linefeed #\Return #\Linefeed))
+    ("chunk data longer than its size" ,(crlf-lines "3" "abcd" "0" ""))
+    ("a chunk-size line of 5,000 octets" ,(crlf-lines (format nil "3;~A" (make-string 5000 :initial-element #\x))
+                                                     "abc" "0" ""))
+    ("a trailer section of 20,000 octets"
+     ,(crlf-lines "3" "abc" "0" (format nil "X-T: ~A" (make-string 20000 :initial-element #\t)) "")))
+  "Chunked bodies that break RFC 9112's coding or a limit, each with what is wrong.")
+
+(test bodies.decoder-reads-to-the-body-end-and-keeps-known-trailers
+  (multiple-value-bind (body trailers rest)
+      (decode-chunked (crlf-lines "3;ext=1" "abc" "A" "0123456789" "1" "x" "0" "Content-Md5: m"
+                                  "X-Not-A-Keyword-Anywhere: y" ""))
+    (is (equal "abc0123456789x" body))
+    (is (equal '((:content-md5 . "m")) trailers) "a trailer field name is never interned: ~S" trailers)
+    (is (equal "NEXT" rest) "the decoder stops at the body's end")))
+
+(test bodies.decoder-refuses-what-the-engine-refuses
+  (loop for (description body) in *malformed-chunked-bodies*
+        do (is (typep (handler-case (progn (decode-chunked body) nil)
+                        (error (condition) condition))
+                      'chunked-body-malformed)
+               "~A: CHUNKED-BODY-MALFORMED" description))
+  (is (typep (handler-case (progn (decode-chunked (crlf-lines "3" "abc" "0" "") :max-body-bytes 2) nil)
+               (error (condition) condition))
+             'request-body-too-large)
+      "chunks beyond the limit: REQUEST-BODY-TOO-LARGE"))
+
 (test bodies.malformed-chunked-bodies-are-400-and-closed
   (with-readiness-server (server)
-    (loop for (description body) in
-          `(("no chunk size" ,(crlf-lines "" "abc" "0" ""))
-            ("a chunk size of 16 digits" ,(crlf-lines "1000000000000000" "abc"))
-            ("a size followed by garbage" ,(crlf-lines "3x" "abc" "0" ""))
-            ("a bare LF after the size" ,(format nil "3~Cabc~C~C0~C~C~C~C" #\Linefeed #\Return #\Linefeed
-                                                 #\Return #\Linefeed #\Return #\Linefeed))
-            ("chunk data longer than its size" ,(crlf-lines "3" "abcd" "0" ""))
-            ("a chunk-size line of 5,000 octets" ,(crlf-lines (format nil "3;~A" (make-string 5000 :initial-element #\x))
-                                                             "abc" "0" ""))
-            ("a trailer section of 20,000 octets"
-             ,(crlf-lines "3" "abc" "0" (format nil "X-T: ~A" (make-string 20000 :initial-element #\t)) "")))
+    (loop for (description body) in *malformed-chunked-bodies*
           for count from 1
           do (multiple-value-bind (status closed-p)
                  (refused-with server (concatenate 'string (chunked-post "/test/body" body) (get-request "/test/yo")))
