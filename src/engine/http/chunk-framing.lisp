@@ -38,6 +38,10 @@
   ;; allows, or NIL for no limit.
   (octets-left nil))
 
+;; The scanner and the decoder follow the framing one octet at a time, up
+;; to six octets of it for each of data (bench/run chunked-body).
+(declaim (inline add-line-octet chunk-data-follows-p take-chunk-data advance-chunk-framing))
+
 (defun add-line-octet (framing limit)
   "Count one more octet of the current chunk-size or trailer line of
 FRAMING; false when the line is then longer than LIMIT."
