@@ -10,6 +10,7 @@
 # make bench-tls-handshakes  1,000 silent and 1,000 half-ClientHello TLS connections for 60 s
 # make bench-scale         1, 2 and one-per-core processes on one port, and behind nginx
 # make bench-chunked-body  server CPU per MB of a request body sent in one-octet chunks, ours and Hunchentoot's
+# make bench-sessions    a handler reading and writing a session value, sessions in the process and in PostgreSQL
 # Each target installs the Debian packages it needs first (make deps).
 
 PORT ?= 4242
@@ -17,16 +18,16 @@ HUNCHENTOOT ?=
 REV ?= HEAD~1
 SBCL = sbcl --noinform --non-interactive --disable-debugger
 LIBRARY_PACKAGES = sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-flexi-streams \
-                   cl-chunga cl-ppcre cl-plus-ssl cl-cffi
+                   cl-chunga cl-ppcre cl-plus-ssl cl-cffi cl-postmodern
 # The test suite's, and what the compatibility suite's libraries (and the
 # Hunchentoot releases HUNCHENTOOT may name) need from Debian.
-TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd \
+TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd postgresql nginx-light \
                 cl-alexandria cl-base64 cl-md5 cl-rfc2388 cl-trivial-backtrace cl-fad \
                 cl-puri cl-iterate cl-split-sequence cl-trivial-utf-8 cl-global-vars \
                 cl-trivial-garbage cl-trivial-features
-BENCH_PACKAGES = wrk nginx-light cl-aserve gnuplot-nox procps curl openssl
+BENCH_PACKAGES = wrk nginx-light cl-aserve gnuplot-nox procps curl openssl postgresql
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -78,3 +79,6 @@ bench-scale: bench-deps
 
 bench-chunked-body: bench-deps
 	bench/run chunked-body
+
+bench-sessions: bench-deps
+	bench/run sessions

@@ -17,12 +17,16 @@ bytes, with acceptors that use it by default."
                                                 (:file "sbcl-epoll")
                                                 (:file "sbcl-sockets")
                                                 (:file "sbcl-files")
+                                                (:file "sbcl-deadlines")
+                                                (:file "sbcl-random")
                                                 (:file "sbcl-mop")))
                (:file "hunchentoot-internals")
                (:file "chunga-internals")
                (:file "cl-plus-ssl-internals")
                (:file "conditions")
                (:file "statistics-keys")
+               (:module "sessions" :serial t :components ((:file "session-values")
+                                                (:file "session-store")))
                (:file "acceptor")
                (:file "engine/protocol")
                (:module "pool" :serial t :components ((:file "taskmaster")
@@ -58,16 +62,37 @@ bytes, with acceptors that use it by default."
                                                       (:file "request-cycle")
                                                       (:file "connections")
                                                       (:file "engine-protocol")))
+               (:file "acceptor-sessions")
                (:file "static-files")
                (:file "metrics"))
   :in-order-to ((test-op (test-op "hunchentoot-recycling-taskmaster/test"))))
+
+(defsystem "hunchentoot-recycling-taskmaster/postgresql"
+  :description "A session store in PostgreSQL shared by every process and
+machine that uses the database: MAKE-POSTGRESQL-SESSION-STORE, for a parallel
+acceptor's :SESSION-STORE."
+  :license "BSD-2-Clause"
+  :depends-on ("hunchentoot-recycling-taskmaster" "cl-postgres")
+  :pathname "src/postgresql/"
+  :serial t
+  :components ((:file "cl-postgres-internals")
+               (:file "connection-pool")
+               (:file "session-schema")
+               (:file "postgresql-store")))
+
+(defsystem "hunchentoot-recycling-taskmaster/postgresql-cluster"
+  :description "A throwaway PostgreSQL cluster, for the tests and the benchmark."
+  :depends-on ((:require "sb-posix"))
+  :pathname "tools/"
+  :components ((:file "postgresql-cluster")))
 
 (defsystem "hunchentoot-recycling-taskmaster/test"
   :description "FiveAM tests: one HTTP behaviour suite and Hunchentoot's
 extension points run against Hunchentoot's easy-acceptor and ours, the
 thread-pool tests, the readiness engine over the wire, and STOP under load."
-  :depends-on ("hunchentoot-recycling-taskmaster" "fiveam" "drakma" "cl+ssl"
-               "flexi-streams" "cl-ppcre" (:require "sb-introspect"))
+  :depends-on ("hunchentoot-recycling-taskmaster" "hunchentoot-recycling-taskmaster/postgresql"
+               "hunchentoot-recycling-taskmaster/postgresql-cluster"
+               "fiveam" "drakma" "cl+ssl" "flexi-streams" "cl-ppcre" (:require "sb-introspect"))
   :pathname "test/"
   :serial t
   :components ((:file "package")
@@ -91,6 +116,9 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (:file "slow-clients")
                (:file "tls-handshakes")
                (:file "descriptor-limit")
+               (:file "session-values")
+               (:file "sessions")
+               (:file "postgresql-sessions")
                (:file "house"))
   :perform (test-op (o c)
              (unless (symbol-call :hunchentoot-recycling-taskmaster-test :run-tests)
@@ -109,7 +137,9 @@ sources (test/run-compatibility.lisp finds them)."
 (defsystem "hunchentoot-recycling-taskmaster/bench"
   :description "Benchmark servers started in their own process by bench/run,
 the wrk matrix that measures them, and the many-connection loads."
-  :depends-on ("hunchentoot-recycling-taskmaster" "aserve" "cl-ppcre" "usocket" (:require "sb-sprof"))
+  :depends-on ("hunchentoot-recycling-taskmaster" "hunchentoot-recycling-taskmaster/postgresql"
+               "hunchentoot-recycling-taskmaster/postgresql-cluster" "aserve" "cl-ppcre" "usocket"
+               (:require "sb-sprof"))
   :pathname "bench/"
   :serial t
   :components ((:file "server")
@@ -118,10 +148,12 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "slow-clients")
                (:file "profile")
                (:file "scale")
-               (:file "chunked-body")))
+               (:file "chunked-body")
+               (:file "sessions")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
   :description "The demo server that `make run` starts."
-  :depends-on ("hunchentoot-recycling-taskmaster")
+  :depends-on ("hunchentoot-recycling-taskmaster" "hunchentoot-recycling-taskmaster/postgresql"
+               (:require "sb-posix"))
   :pathname "demo/"
   :components ((:file "demo")))

@@ -11,7 +11,7 @@
   (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster))
   (:export #:serve #:run-benchmarks #:run-comparison #:run-connection-load #:run-slow-readers-load #:run-slow-bodies-load
            #:run-tls-handshakes-load
-           #:run-profile #:run-scale #:run-chunked-body-cost))
+           #:run-profile #:run-scale #:run-chunked-body-cost #:run-sessions))
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 

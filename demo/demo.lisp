@@ -29,6 +29,12 @@
   (setf (hunchentoot:content-type*) "text/plain; version=0.0.4")
   (hunchentoot-recycling-taskmaster:prometheus-metrics hunchentoot:*acceptor*))
 
+(hunchentoot:define-easy-handler (session-count :uri "/count") ()
+  (setf (hunchentoot:content-type*) "text/plain")
+  (format nil "~D ~D"
+          (setf (hunchentoot:session-value 'count) (1+ (or (hunchentoot:session-value 'count) 0)))
+          (sb-posix:getpid)))
+
 (defun static-directory ()
   (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster" "demo/static/"))
 
@@ -50,18 +56,30 @@ the server, so nothing is unwound from inside a handler."
         do (sleep 0.1))
   *termination-signal*)
 
+(defun environment-set-p (name)
+  "True when the environment variable NAME is set and not empty."
+  (plusp (length (or (uiop:getenv name) ""))))
+
 (defun main (&key (port 4242) (address "127.0.0.1"))
   "Serve the demo on ADDRESS:PORT until Ctrl-C or SIGTERM, then stop softly
 (requests in flight finish) and return.  Started by systemd's socket
-activation (demo/*.socket), serve the socket it passed instead."
+activation (demo/*.socket), serve the socket it passed instead.  Sessions
+are kept in PostgreSQL when PGDATABASE is set (the other PG* variables say
+where), in the process otherwise; REUSE_PORT=1 listens with SO_REUSEPORT,
+so that several demos share the port."
   (let* ((listen-fd (hunchentoot-recycling-taskmaster:systemd-listen-fd))
+         (store (when (environment-set-p "PGDATABASE")
+                  (hunchentoot-recycling-taskmaster:make-postgresql-session-store)))
          (acceptor (make-instance 'hunchentoot-recycling-taskmaster:parallel-easy-acceptor
                                   :port port :address address :listen-fd listen-fd
+                                  :reuse-port (equal (uiop:getenv "REUSE_PORT") "1")
+                                  :session-store store
                                   :document-root (static-directory))))
     (hunchentoot:start acceptor)
     (format t "~&Serving ~:[http://~A:~D/~;~*the socket systemd passed, port ~D~] ~
-               (try /yo, /hello?name=you, /slow?ms=500, /stats, /metrics, /index.html). Ctrl-C stops.~%"
-            listen-fd address (hunchentoot:acceptor-port acceptor))
+               (try /yo, /hello?name=you, /slow?ms=500, /count, /stats, /metrics, /index.html), ~
+               sessions ~:[in this process~;in ~:*~A~]. Ctrl-C stops.~%"
+            listen-fd address (hunchentoot:acceptor-port acceptor) store)
     (finish-output)
     (let ((signal (wait-for-termination-signal)))
       (hunchentoot:stop acceptor :soft t)

@@ -39,6 +39,14 @@ limit; a larger one gets 413."))
   (:documentation "The largest header block ACCEPTOR answers; a larger one
 gets 431."))
 
+(defgeneric acceptor-session-store (acceptor)
+  (:documentation "The SESSION-STORE keeping ACCEPTOR's sessions, or NIL when
+they are Hunchentoot's own, in the process."))
+
+(defgeneric acceptor-session-store-timeout (acceptor)
+  (:documentation "Seconds a request may wait for ACCEPTOR's session store
+before it is answered 503."))
+
 (defclass static-document-root (hunchentoot:acceptor)
   ((dispatch-chain
     :initform nil :accessor acceptor-dispatch-chain
@@ -104,7 +112,20 @@ connection is closed after the 413.")
     :initarg :max-header-bytes :reader acceptor-max-header-bytes
     :documentation "The largest header block (the lines after the request
 line) answered; a larger one gets 431.  A request line over 8 KiB gets 414,
-more than 100 header lines 431."))
+more than 100 header lines 431.")
+   (session-store
+    :initarg :session-store :reader acceptor-session-store
+    :documentation "Where the sessions of Hunchentoot's session API are kept:
+NIL for Hunchentoot's own in-process sessions, or a SESSION-STORE (such as
+MAKE-POSTGRESQL-SESSION-STORE's) shared by every process and machine that
+uses it and kept across restarts.  Either way session ids are 128 random
+bits from the kernel, and a cookie with a wrong session string leaves the
+session it names untouched.")
+   (session-store-timeout
+    :initarg :session-store-timeout :reader acceptor-session-store-timeout
+    :documentation "Seconds each call to the session store may take (a
+connection from its pool included); a request whose session the store did
+not give in time is answered 503 when its handler uses the session."))
   (:default-initargs
    :taskmaster (make-instance 'recycling-taskmaster)
    :connection-engine :readiness-set
@@ -116,6 +137,8 @@ more than 100 header lines 431."))
    :body-buffer-bytes 65536
    :max-body-bytes (* 64 1024 1024)
    :max-header-bytes 16384
+   :session-store nil
+   :session-store-timeout 2
    :listen-backlog 511)
   (:documentation "HUNCHENTOOT:ACCEPTOR served by a RECYCLING-TASKMASTER:
 pooled worker threads share the listening socket and the connections that
@@ -134,7 +157,8 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
            :reason "must be :READINESS-SET (the blocking engine was retired)"))
   (loop for (initarg seconds) in `((:header-timeout ,(acceptor-header-timeout acceptor))
                                    (:keep-alive-timeout ,(acceptor-keep-alive-timeout acceptor))
-                                   (:queue-timeout ,(acceptor-queue-timeout acceptor)))
+                                   (:queue-timeout ,(acceptor-queue-timeout acceptor))
+                                   (:session-store-timeout ,(acceptor-session-store-timeout acceptor)))
         unless (and (realp seconds) (plusp seconds))
           do (error 'invalid-acceptor-configuration
                     :initarg initarg :value seconds
@@ -166,7 +190,12 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
     (unless (and (integerp bytes) (<= 1024 bytes (* 1024 1024)))
       (error 'invalid-acceptor-configuration
              :initarg :max-header-bytes :value bytes
-             :reason "must be an integer from 1024 to 1048576"))))
+             :reason "must be an integer from 1024 to 1048576")))
+  (let ((store (acceptor-session-store acceptor)))
+    (unless (typep store '(or null session-store))
+      (error 'invalid-acceptor-configuration
+             :initarg :session-store :value store
+             :reason "must be NIL or a SESSION-STORE"))))
 
 (defclass parallel-easy-acceptor (parallel-acceptor hunchentoot:easy-acceptor static-document-root)
   ()

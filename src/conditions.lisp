@@ -36,8 +36,10 @@ of seconds."))
   ()
   (:documentation "Signalled by MAKE-INSTANCE of a PARALLEL-ACCEPTOR for an
 unknown :CONNECTION-ENGINE, a timeout that is not a positive number of
-seconds, a :WRITE-TIMEOUT other than the :READ-TIMEOUT, or an impossible
-:MAX-HEADER-BYTES."))
+seconds, a :WRITE-TIMEOUT other than the :READ-TIMEOUT, an impossible
+:MAX-HEADER-BYTES or a :SESSION-STORE that is not one; by HUNCHENTOOT:START
+for a :SESSION-STORE with a :REQUEST-CLASS that does not inherit from
+PARALLEL-REQUEST."))
 
 (defmethod configuration-subject ((condition invalid-acceptor-configuration))
   "PARALLEL-ACCEPTOR configuration")
@@ -134,3 +136,46 @@ acceptor whose header or cookie value, set by a handler, has a CR, LF or
 NUL: before any of the reply is sent, and after the header is taken out
 of the reply, so that the 500 the request is then answered with (logged
 once, as a handler's error is) carries none of it."))
+
+(define-condition invalid-session-store-configuration (invalid-configuration)
+  ()
+  (:documentation "Signalled by MAKE-POSTGRESQL-SESSION-STORE when no
+database is named (by :DATABASE or PGDATABASE) or :MAX-CONNECTIONS is not a
+positive integer."))
+
+(defmethod configuration-subject ((condition invalid-session-store-configuration))
+  "session store configuration")
+
+(define-condition session-value-not-storable (recycling-taskmaster-error)
+  ((key :initarg :key :reader unstorable-session-key
+        :documentation "The key symbol of the value.")
+   (value-type :initarg :value-type :reader unstorable-session-value-type
+               :documentation "The type of the value, as TYPE-OF gives it."))
+  (:report (lambda (condition stream)
+             (format stream "The session value of ~S, of type ~S, cannot be kept in a shared ~
+session store: it takes numbers, characters, strings, interned symbols, and conses ~
+and simple vectors of these."
+                     (unstorable-session-key condition) (unstorable-session-value-type condition))))
+  (:documentation "Signalled when a session whose acceptor has a shared
+session store is saved at the end of its request with a value outside the
+store's whitelist.  The request is then answered 500, the message logged,
+and the store keeps the session as it was before the request."))
+
+(define-condition session-store-unavailable (serious-condition)
+  ((store :initarg :store :reader unavailable-session-store
+          :documentation "The session store.")
+   (reason :initarg :reason :reader session-store-unavailable-reason
+           :documentation "What went wrong, as a phrase: no answer in time, or the
+store's own error."))
+  (:report (lambda (condition stream)
+             (format stream "The session store ~A is unavailable: ~A"
+                     (unavailable-session-store condition)
+                     (session-store-unavailable-reason condition))))
+  (:documentation "Signalled when a request's session is needed and its
+acceptor's shared session store did not answer within the acceptor's
+SESSION-STORE-TIMEOUT, or failed.  A SERIOUS-CONDITION and not an ERROR,
+so that Hunchentoot's handling of a handler's errors (a 500) and a
+handler's IGNORE-ERRORS let it pass: the parallel acceptor answers the
+request 503, and logs one line when an outage begins and one when it
+ends, not one per request.  A handler never sees a session it could not
+read as no session."))

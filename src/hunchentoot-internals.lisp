@@ -181,3 +181,58 @@ SLOT-NAME besides its initarg or initform: :SCRIPT-NAME, :QUERY-STRING,
     (hunchentoot:query-string :query-string)
     (hunchentoot:get-parameters :get-parameters)
     (hunchentoot:cookies-in :cookies-in)))
+
+;;; Hunchentoot's sessions, for the session stores (sessions/): a session's
+;;; fields that Hunchentoot does not export, a session made from a store's
+;;; row, and its own lookup and check of a session string.
+
+(defun session-string (session)
+  "The secret part of SESSION's cookie value, after the id and the colon."
+  (hunchentoot::session-string session))
+
+(defun session-data (session)
+  "SESSION's values: an alist of each key symbol and its value."
+  (hunchentoot::session-data session))
+
+(defun session-last-click (session)
+  "The universal time SESSION was last used."
+  (hunchentoot::session-last-click session))
+
+(defun (setf session-last-click) (time session)
+  (setf (slot-value session 'hunchentoot::last-click) time))
+
+(defun fill-session (session &key id string user-agent remote-addr start last-click data max-time)
+  "SESSION, an instance of a subclass of HUNCHENTOOT:SESSION made by
+ALLOCATE-INSTANCE, with every field Hunchentoot's session has set."
+  (setf (slot-value session 'hunchentoot::session-id) id
+        (slot-value session 'hunchentoot::session-string) string
+        (slot-value session 'hunchentoot::user-agent) user-agent
+        (slot-value session 'hunchentoot::remote-addr) remote-addr
+        (slot-value session 'hunchentoot::session-start) start
+        (slot-value session 'hunchentoot::last-click) last-click
+        (slot-value session 'hunchentoot::session-data) data
+        (slot-value session 'hunchentoot::max-time) max-time)
+  session)
+
+(defun fill-session-identity (session id string)
+  "SESSION, made by ALLOCATE-INSTANCE, with its id and session string set."
+  (setf (slot-value session 'hunchentoot::session-id) id
+        (slot-value session 'hunchentoot::session-string) string)
+  session)
+
+(defun session-field-slot-p (slot-name)
+  "True when SLOT-NAME names one of the fields FILL-SESSION sets."
+  (member slot-name '(hunchentoot::session-id hunchentoot::session-string hunchentoot::user-agent
+                      hunchentoot::remote-addr hunchentoot::session-start hunchentoot::last-click
+                      hunchentoot::session-data hunchentoot::max-time)))
+
+(defun in-process-session (id)
+  "The session with the integer ID in the in-process session database,
+unless it has expired; an expired one is removed, as Hunchentoot does."
+  (hunchentoot::get-stored-session id))
+
+(defun session-string-for (id user-agent remote-addr start)
+  "The session string Hunchentoot makes for a session with ID, started at
+START by a client with USER-AGENT and REMOTE-ADDR, under the current
+HUNCHENTOOT:*SESSION-SECRET*."
+  (hunchentoot::encode-session-string id user-agent remote-addr start))

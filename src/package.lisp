@@ -32,6 +32,23 @@
    #:taskmaster-thread-idle-timeout
    #:taskmaster-stop-timeout
 
+   ;; Sessions kept in a store shared by processes (acceptor-sessions.lisp):
+   ;; the protocol a store implements, and the PostgreSQL store (the system
+   ;; hunchentoot-recycling-taskmaster/postgresql).
+   #:acceptor-session-store
+   #:acceptor-session-store-timeout
+   #:session-store
+   #:stored-session
+   #:find-stored-session
+   #:add-stored-session
+   #:save-stored-session
+   #:remove-stored-session
+   #:expired-stored-sessions
+   #:postgresql-session-store
+   #:make-postgresql-session-store
+   #:session-store-unavailable
+   #:session-value-not-storable
+
    ;; Static files, sent by the kernel.
    #:serve-static-file
    #:create-static-folder-dispatcher-and-handler
@@ -46,6 +63,7 @@
    #:invalid-configuration
    #:invalid-taskmaster-configuration
    #:invalid-acceptor-configuration
+   #:invalid-session-store-configuration
    #:invalid-static-folder
    #:acceptor-not-parallel-error
    #:chunked-body-malformed

@@ -1,6 +1,6 @@
 ;;;; Run by the test HOUSE.EACH-FILE-COMPILES-ALONE-IN-ASD-ORDER in a fresh
-;;;; SBCL: compiles each file of the library on its own, in the order of
-;;;; hunchentoot-recycling-taskmaster.asd, loading each after it compiles,
+;;;; SBCL: compiles each file of the library (and of its PostgreSQL store)
+;;;; on its own, in the order of hunchentoot-recycling-taskmaster.asd, loading each after it compiles,
 ;;;; so that a call to a function (or a use of a macro or variable) that
 ;;;; only a later file defines is reported as undefined.  Prints one line
 ;;;; per such reference; exits 0 when there is none.
@@ -27,19 +27,26 @@ OUTPUT: the undefined references it makes, as lines of text."
           (compile-file (asdf:component-pathname file) :output-file output))))
     (reverse undefined)))
 
-(let* ((system (asdf:find-system "hunchentoot-recycling-taskmaster"))
-       (files (source-files system))
+(defparameter *library-systems*
+  '("hunchentoot-recycling-taskmaster" "hunchentoot-recycling-taskmaster/postgresql")
+  "The library's systems, each after the ones it depends on.")
+
+(let* ((systems (mapcar #'asdf:find-system *library-systems*))
+       (files (mapcan #'source-files systems))
        (output-directory (merge-pathnames (format nil "hrt-compile-each-file-~36R/"
                                                   (random (expt 2 64) (make-random-state t)))
                                           (uiop:temporary-directory)))
        (undefined '()))
-  (dolist (dependency (asdf:system-depends-on system))
-    (if (and (consp dependency) (eq (first dependency) :feature))
-        (require (third dependency))
-        (asdf:load-system dependency)))
+  (dolist (dependency (mapcan (lambda (system) (copy-list (asdf:system-depends-on system))) systems))
+    (cond ((and (consp dependency) (eq (first dependency) :feature))
+           (require (third dependency)))
+          ((not (member dependency *library-systems* :test #'equal))
+           (asdf:load-system dependency))))
   (unwind-protect
        (dolist (file files)
-         (let ((output (merge-pathnames (format nil "~A.fasl" (substitute #\- #\/ (asdf:component-name file)))
+         (let ((output (merge-pathnames (format nil "~A-~A.fasl"
+                                                (asdf:component-name (asdf:component-system file))
+                                                (substitute #\- #\/ (asdf:component-name file)))
                                         output-directory)))
            (ensure-directories-exist output)
            (setf undefined (append undefined (compile-alone file output)))

@@ -109,8 +109,9 @@ Hunchentoot's: served by Hunchentoot's own initializer and PROCESS-REQUEST."))
                         :request-class class)))
 
 (defun session-cookie-of (reply)
-  "The value of the session cookie REPLY sets."
-  (aref (nth-value 1 (cl-ppcre:scan-to-strings "(?m)^Set-Cookie: hunchentoot-session=([^;\\r]*)" reply)) 0))
+  "The value of the session cookie REPLY sets, or NIL when it sets none."
+  (let ((match (nth-value 1 (cl-ppcre:scan-to-strings "(?m)^Set-Cookie: hunchentoot-session=([^;\\r]*)" reply))))
+    (and match (aref match 0))))
 
 (defun session-found-p (server &rest headers-and-query)
   "True when SERVER's handler finds a session for a request with the query
@@ -136,13 +137,20 @@ string and headers in HEADERS-AND-QUERY (the first, a query string or NIL)."
                   "~A: no session cookie" class)
         (is-false (session-found-p server "x=1")
                   "~A: no session parameter" class)
+        ;; Hunchentoot removes the session a forged session string names (its
+        ;; issue #211: anyone can log anyone out); ours leaves it alone.
         (let ((forged (format nil "~A:forged" (subseq cookie 0 (position #\% cookie)))))
           (with-connection (socket server)
             (send-text socket (get-request "/test/fields" (format nil "Cookie: hunchentoot-session=~A" forged)))
-            (is (equal "deleted" (session-cookie-of (read-whole-reply socket nil)))
-                "~A: a forged session string deletes the cookie" class)))
-        (is-false (session-found-p server nil (format nil "Cookie: hunchentoot-session=~A" cookie))
-                  "~A: the session a forged string named is gone" class)))))
+            (let ((set-cookie (session-cookie-of (read-whole-reply socket nil))))
+              (if (eq class 'ht:easy-acceptor)
+                  (is (equal "deleted" set-cookie) "~A: a forged session string deletes the cookie" class)
+                  (is (null set-cookie) "~A: a forged session string set the cookie ~S" class set-cookie)))))
+        (if (eq class 'ht:easy-acceptor)
+            (is-false (session-found-p server nil (format nil "Cookie: hunchentoot-session=~A" cookie))
+                      "~A: the session a forged string named is gone" class)
+            (is-true (session-found-p server nil (format nil "Cookie: hunchentoot-session=~A" cookie))
+                     "~A: the session a forged string named is gone" class))))))
 
 (test request-fields.classes-made-without-initializer
   (is-true (hunchentoot-recycling-taskmaster::initialized-as-hunchentoot-request-p

@@ -9,6 +9,10 @@
 (defun socket-file-descriptor (usocket)
   (sb-bsd-sockets:socket-file-descriptor (usocket:socket usocket)))
 
+(defun fd-stream-descriptor (stream)
+  "The descriptor of STREAM, an SBCL fd-stream (a socket's, say)."
+  (sb-sys:fd-stream-fd stream))
+
 ;;; Listening sockets.
 
 (defun socket-option (fd option)

@@ -74,9 +74,9 @@ it on first use."
   ;; Hunchentoot's initializer; NIL when the request class has initialization
   ;; methods of its own.
   (plain-request nil :type (or null function) :read-only t)
-  ;; True when HUNCHENTOOT:SESSION-VERIFY of a request is Hunchentoot's,
-  ;; which finds no session unless the session cookie name is in the Cookie
-  ;; header or the query string.
+  ;; True when HUNCHENTOOT:SESSION-VERIFY of a request is Hunchentoot's or
+  ;; ours (SESSION-VERIFY-READS-COOKIE-ONLY-P), which find no session unless
+  ;; the session cookie name is in the Cookie header or the query string.
   (default-session-verify-p nil :read-only t)
   ;; True when the loaded Hunchentoot's initializer reads a + in a request's
   ;; path as a space: 1.2 does, 1.3.0 stopped.
@@ -159,6 +159,15 @@ the engine gives no value to get their initforms, as from MAKE-INSTANCE."
                                  :local-addr "127.0.0.1" :local-port 0)))
     (equal (hunchentoot:script-name request) "/ ")))
 
+(defun session-verify-reads-cookie-only-p (request-class)
+  "True when HUNCHENTOOT:SESSION-VERIFY of a REQUEST-CLASS request is
+Hunchentoot's or PARALLEL-REQUEST's (acceptor-sessions.lisp): both find no
+session unless the session cookie name is in the Cookie header or the
+query string."
+  (let ((ours (find-method #'hunchentoot:session-verify '() (list (find-class 'parallel-request)) nil)))
+    (every (lambda (method) (member method (list ours (default-session-verify-method))))
+           (applicable-methods #'hunchentoot:session-verify request-class))))
+
 (defun make-object-constructors (acceptor)
   "Functions making ACCEPTOR's request and reply objects, compiled once for
 its request and reply classes as they are at START: MAKE-INSTANCE of a
@@ -179,8 +188,7 @@ at every call."
                                   append (list initarg variable)))))
        (when (initialized-as-hunchentoot-request-p request-class)
          (compile-quietly (plain-request-constructor-form request-class)))
-       (equal (applicable-methods #'hunchentoot:session-verify request-class)
-              (list (default-session-verify-method)))
+       (session-verify-reads-cookie-only-p request-class)
        (path-plus-is-space-p acceptor)
        (compile-quietly
         `(lambda () (make-instance ',(engine-reply-class acceptor))))))))

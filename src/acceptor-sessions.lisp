@@ -1,0 +1,230 @@
+;;;; Hunchentoot's session API under a parallel acceptor: sessions in the
+;;;; process, as Hunchentoot keeps them, or in the acceptor's SESSION-STORE
+;;;; (sessions/session-store.lisp says how a store is used).
+;;;;
+;;;; Under both, a session id is 128 random bits from the kernel (not a
+;;;; process-wide counter), and a cookie naming a session with a wrong session
+;;;; string is ignored: Hunchentoot removes the session it names, so that
+;;;; anyone could log anyone out with a forged cookie (its issue #211).  The
+;;;; binding of a session to the client's User-Agent and address is
+;;;; Hunchentoot's: *USE-USER-AGENT-FOR-SESSIONS* and
+;;;; *USE-REMOTE-ADDR-FOR-SESSIONS* say which.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defvar *session-secret-lock* (bt:make-lock "session secret")
+  "Held while HUNCHENTOOT:*SESSION-SECRET* is drawn, so that it is drawn once.")
+
+(defmethod hunchentoot:next-session-id ((acceptor parallel-acceptor))
+  "128 random bits from the kernel.  Hunchentoot's session secret, when
+still unset, is drawn from the kernel too (Hunchentoot draws it from
+RANDOM, with a warning)."
+  (unless (boundp 'hunchentoot:*session-secret*)
+    (bt:with-lock-held (*session-secret-lock*)
+      (unless (boundp 'hunchentoot:*session-secret*)
+        (setf hunchentoot:*session-secret* (format nil "~36R" (kernel-random-integer 128))))))
+  (kernel-random-integer 128))
+
+(defmethod hunchentoot:start :before ((acceptor parallel-acceptor))
+  "Refuse to start with a session store and a request class whose
+HUNCHENTOOT:SESSION-VERIFY is not ours: Hunchentoot's own knows only its
+in-process sessions."
+  (let ((request-class (engine-request-class acceptor)))
+    (when (and (acceptor-session-store acceptor)
+               (not (subtypep request-class 'parallel-request)))
+      (error 'invalid-acceptor-configuration
+             :initarg :request-class :value request-class
+             :reason "must inherit from PARALLEL-REQUEST where sessions are in a :SESSION-STORE"))))
+
+;;; Which session a request presents.
+
+(defun parse-session-identifier (identifier)
+  "The session id (an integer) and session string of the cookie value
+IDENTIFIER, \"ID:STRING\" as HUNCHENTOOT:SESSION-COOKIE-VALUE makes it, or
+NIL when it is not of that form."
+  (let ((colon (and (stringp identifier) (position #\: identifier))))
+    (when (and colon
+               (<= 1 colon 40)
+               (< (1+ colon) (length identifier))
+               (every #'digit-char-p (subseq identifier 0 colon)))
+      (values (parse-integer identifier :end colon)
+              (subseq identifier (1+ colon))))))
+
+(defun presented-session-identifier (request acceptor)
+  "The session cookie value REQUEST presents, or its GET parameter of that
+name, as Hunchentoot's SESSION-VERIFY looks for them."
+  (let ((name (hunchentoot:session-cookie-name acceptor)))
+    (or (let ((cookie (hunchentoot:cookie-in name request)))
+          (and cookie (hunchentoot:url-decode cookie)))
+        (hunchentoot:get-parameter name request))))
+
+(defun session-bound-to-client-p (session user-agent remote-addr)
+  "True when SESSION may serve a client with USER-AGENT and REMOTE-ADDR
+under Hunchentoot's bindings of sessions to clients."
+  (and (or (not hunchentoot:*use-user-agent-for-sessions*)
+           (equal (hunchentoot:session-user-agent session) user-agent))
+       (or (not hunchentoot:*use-remote-addr-for-sessions*)
+           (equal (hunchentoot:session-remote-addr session) remote-addr))))
+
+(defun verify-in-process-session (request id string)
+  "REQUEST's session among Hunchentoot's in-process sessions, as
+Hunchentoot's SESSION-VERIFY finds it, but a wrong STRING leaves the
+session with ID alone."
+  (let ((session (in-process-session id)))
+    (cond ((null session)
+           (hunchentoot:log-message* :info "No session for the session cookie of a request from ~A"
+                                     (hunchentoot:remote-addr request))
+           nil)
+          ((and (string= string (session-string session))
+                (string= string (session-string-for id (hunchentoot:user-agent request)
+                                                    (hunchentoot:real-remote-addr request)
+                                                    (hunchentoot:session-start session))))
+           (setf (session-last-click session) (get-universal-time))
+           session)
+          (t
+           (hunchentoot:log-message* :warning "A session cookie from ~A does not match its session; ~
+the session is left as it was"
+                                     (hunchentoot:remote-addr request))
+           nil))))
+
+;;; Calls to a store.
+
+(defun call-with-session-store (acceptor function)
+  "FUNCTION called with ACCEPTOR's session store, within the acceptor's
+SESSION-STORE-TIMEOUT; its values.  A call that does not end in time or
+fails signals SESSION-STORE-UNAVAILABLE."
+  (let ((store (acceptor-session-store acceptor))
+        (seconds (acceptor-session-store-timeout acceptor))
+        (started (get-internal-real-time)))
+    (handler-bind ((session-store-unavailable
+                     (lambda (condition) (note-session-store-failed store condition started))))
+      (multiple-value-prog1
+          (handler-case (with-deadline (seconds)
+                          (funcall function store))
+            (deadline-passed ()
+              (error 'session-store-unavailable
+                     :store store :reason (format nil "no answer within ~A s" seconds))))
+        (note-session-store-answered store)))))
+
+(defmacro with-session-store ((store acceptor) &body body)
+  "Run BODY with STORE bound to ACCEPTOR's session store, as CALL-WITH-SESSION-STORE."
+  `(call-with-session-store ,acceptor (lambda (,store) ,@body)))
+
+(defun verify-stored-session (request acceptor id string)
+  "REQUEST's session in ACCEPTOR's store: the STORED-SESSION with ID and
+STRING bound to this client, NIL when there is none, or an
+UNREACHABLE-SESSION when the store does not answer."
+  (handler-case
+      (let ((session (with-session-store (store acceptor)
+                       (find-stored-session store id string (get-universal-time)))))
+        (cond ((null session)
+               (hunchentoot:log-message* :info "No session for the session cookie of a request from ~A"
+                                         (hunchentoot:remote-addr request))
+               nil)
+              ((session-bound-to-client-p session (hunchentoot:user-agent request)
+                                          (hunchentoot:real-remote-addr request))
+               session)
+              (t
+               (hunchentoot:log-message* :warning "A session cookie from ~A was sent by another client ~
+than its session's; the session is left as it was"
+                                         (hunchentoot:remote-addr request))
+               nil)))
+    (session-store-unavailable ()
+      (make-unreachable-session (acceptor-session-store acceptor) id string))))
+
+(defmethod hunchentoot:session-verify ((request parallel-request))
+  "REQUEST's session, from its cookie (or the GET parameter of that name),
+in its acceptor's store or in the process."
+  (let ((acceptor (hunchentoot:request-acceptor request)))
+    (if (not (typep acceptor 'parallel-acceptor))
+        (call-next-method)
+        (multiple-value-bind (id string)
+            (parse-session-identifier (presented-session-identifier request acceptor))
+          (when id
+            (if (acceptor-session-store acceptor)
+                (verify-stored-session request acceptor id string)
+                (verify-in-process-session request id string)))))))
+
+;;; Hunchentoot's session database, under a store.
+
+(defmethod hunchentoot:session-created ((acceptor parallel-acceptor) (session hunchentoot:session))
+  "Under a store, add the new SESSION to it (a STORED-SESSION from now on)
+before Hunchentoot's own counting of new sessions for SESSION-GC."
+  (when (acceptor-session-store acceptor)
+    (change-class session 'stored-session)
+    (with-session-store (store acceptor)
+      (add-stored-session store session))
+    (setf (stored-fields session) (session-stored-fields session)))
+  (call-next-method))
+
+(defmethod hunchentoot:acceptor-remove-session ((acceptor parallel-acceptor) (session stored-session))
+  "Remove SESSION from the store, then call the methods after this one."
+  (with-session-store (store acceptor)
+    (remove-stored-session store session))
+  (setf (stored-session-removed-p session) t)
+  (call-next-method))
+
+(defmethod hunchentoot:session-db ((acceptor parallel-acceptor))
+  "Under a store, the store's expired sessions, which Hunchentoot's
+SESSION-GC then removes one by one (its ACCEPTOR-REMOVE-SESSION methods run
+for each); a session Hunchentoot would add or look up here is the store's
+business.  Without a store, Hunchentoot's in-process database."
+  (if (acceptor-session-store acceptor)
+      (mapcar (lambda (session) (cons (hunchentoot:session-id session) session))
+              (with-session-store (store acceptor)
+                (expired-stored-sessions store (get-universal-time))))
+      (call-next-method)))
+
+(defmethod hunchentoot:session-db-lock ((acceptor parallel-acceptor) &key (whole-db-p t))
+  "Under a store, none: each request has its own copy of its session, and
+the store guards itself.  Without one, Hunchentoot's lock."
+  (declare (ignore whole-db-p))
+  (if (acceptor-session-store acceptor)
+      nil
+      (call-next-method)))
+
+(defmethod (setf hunchentoot:session-db) (sessions (acceptor parallel-acceptor))
+  "Under a store, nothing: the store is the database.  Without one,
+Hunchentoot's in-process database."
+  (if (acceptor-session-store acceptor)
+      sessions
+      (call-next-method)))
+
+;;; A request's session written back.
+
+(defun save-request-session (acceptor)
+  "Write the current request's session back to ACCEPTOR's store when its
+handler changed it."
+  (let ((session hunchentoot:*session*))
+    (when (and (typep session 'stored-session)
+               (not (stored-session-removed-p session)))
+      (let ((fields (session-stored-fields session)))
+        (unless (equal fields (stored-fields session))
+          (with-session-store (store acceptor)
+            (save-stored-session store session))
+          (setf (stored-fields session) fields))))))
+
+(defun session-store-unavailable-reply (acceptor)
+  "The 503 a request gets when its session's store is unavailable."
+  (note-session-store-refused (acceptor-session-store acceptor))
+  (setf (hunchentoot:return-code*) hunchentoot:+http-service-unavailable+
+        (hunchentoot:header-out :retry-after) "1")
+  (hunchentoot:acceptor-status-message acceptor hunchentoot:+http-service-unavailable+))
+
+(defmethod hunchentoot:handle-request :around ((acceptor parallel-acceptor) (request hunchentoot:request))
+  "Under a store, write the request's session back after its handler
+returns or ends early (HUNCHENTOOT:REDIRECT, ABORT-REQUEST-HANDLER), not
+after an error; answer 503 when the store is unavailable, and 500 for a
+session value the store cannot keep."
+  (if (null (acceptor-session-store acceptor))
+      (call-next-method)
+      (handler-case
+          (multiple-value-bind (contents error backtrace)
+              (catching-handler-end (call-next-method))
+            (unless error
+              (save-request-session acceptor))
+            (values contents error backtrace))
+        (session-store-unavailable ()
+          (session-store-unavailable-reply acceptor))
+        (session-value-not-storable (condition)
+          (values nil condition nil)))))

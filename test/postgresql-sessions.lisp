@@ -1,0 +1,269 @@
+;;;; The PostgreSQL session store against a real server: a throwaway
+;;;; cluster per test (tools/postgresql-cluster.lisp).  Sessions shared by two
+;;;; demo processes on one port and behind nginx, kept across their restart;
+;;;; wrong cookies; SESSION-GC; the database stopped and paused under load.
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite postgresql-sessions :in all :description "Sessions in PostgreSQL.")
+(in-suite postgresql-sessions)
+
+(defmacro with-postgresql-cluster ((cluster) &body body)
+  "Run BODY with CLUSTER bound to a new throwaway PostgreSQL cluster, removed afterwards."
+  `(let ((,cluster (postgresql-cluster:start-postgresql-cluster)))
+     (unwind-protect (progn ,@body)
+       (postgresql-cluster:remove-postgresql-cluster ,cluster))))
+
+(defun cluster-store (cluster)
+  "A POSTGRESQL-SESSION-STORE in CLUSTER's postgres database."
+  (make-postgresql-session-store :database "postgres" :user "postgres"
+                                 :host (postgresql-cluster:postgresql-cluster-socket-directory cluster)))
+
+(defun stored-row-count (store)
+  "The rows of the session table STORE uses."
+  (hunchentoot-recycling-taskmaster::with-session-database (connection store)
+    (caar (cl-postgres:exec-query connection "SELECT count(*) FROM hunchentoot_sessions"
+                                  'cl-postgres:list-row-reader))))
+
+(test postgresql-sessions.wrong-cookies-leave-the-session-alone
+  (with-postgresql-cluster (cluster)
+    (with-server (server (store-server (cluster-store cluster)))
+      (check-cookies-that-name-a-session-wrongly server))))
+
+(test postgresql-sessions.values-kept-across-acceptors-and-collected-when-expired
+  (with-postgresql-cluster (cluster)
+    (let ((jar (make-instance 'drakma:cookie-jar))
+          (short (make-instance 'drakma:cookie-jar)))
+      (with-server (server (store-server (cluster-store cluster)))
+        (http-get server "/test/session-count" :cookie-jar jar)
+        (is (eql 200 (http-get server "/test/session-redirect" :cookie-jar jar))))
+      ;; Another acceptor with a store of its own: what a new process has.
+      (let ((store (cluster-store cluster)))
+        (with-server (server (store-server store))
+          (is (equal "101" (nth-value 1 (http-get server "/test/session-count" :cookie-jar jar))))
+          (is (eql 500 (http-get server "/test/session-unstorable" :cookie-jar jar)))
+          (is (equal "102" (nth-value 1 (http-get server "/test/session-count" :cookie-jar jar)))
+              "a value the store cannot keep changed the session")
+          (http-get server "/test/session-short" :cookie-jar short)
+          (is (eql 2 (stored-row-count store)))
+          (let ((started (get-universal-time)))
+            (is (wait-until (lambda () (> (get-universal-time) (+ started 2))) :timeout 5)))
+          (http-get server "/test/session-gc")
+          (is (eql 1 (stored-row-count store)) "SESSION-GC left an expired session or took a live one")
+          (http-get server "/test/session-remove" :cookie-jar jar)
+          (is (eql 0 (stored-row-count store)) "REMOVE-SESSION left its row"))))))
+
+;;; The database stopped, or paused, under load.
+
+(defun session-client (server jar plain-p results lock stop)
+  "A client that asks SERVER for /test/session-count (or, when PLAIN-P,
+/test/session-plain with its session cookie) until STOP's car is true,
+pushing (status seconds body) for each reply onto RESULTS' car."
+  (lambda ()
+    (loop until (car stop)
+          do (let ((started (get-internal-real-time)))
+               (multiple-value-bind (status body)
+                   (http-get server (if plain-p "/test/session-plain" "/test/session-count") :cookie-jar jar)
+                 (bt:with-lock-held (lock)
+                   (push (list status (/ (- (get-internal-real-time) started) internal-time-units-per-second)
+                               (if (stringp body) body ""))
+                         (car results))))))))
+
+(defun counts-explained-p (replies)
+  "True when each 200 reply of REPLIES (newest first) counts one more than
+the 200 before it, or more by at most the 503s between them: a write the
+deadline cut after it was sent may still be done by the server (its outcome
+is unknown to the request, which is answered 503), but no count is ever
+lost or repeated otherwise."
+  (let ((last nil) (refused 0))
+    (loop for (status nil body) in (reverse replies)
+          do (case status
+               (503 (incf refused))
+               (200 (let ((count (parse-integer body)))
+                      (when (and last (not (<= (1+ last) count (+ last 1 refused))))
+                        (return nil))
+                      (setf last count refused 0))))
+          finally (return t))))
+
+(defun outage-under-load (server cluster fault seconds)
+  "Run two clients using their sessions and two not using them against
+SERVER while CLUSTER's server suffers FAULT (:stop or :pause) for SECONDS;
+the replies of each (newest first) once sessions work again, or NIL when
+they do not within 30 s."
+  (let* ((lock (bt:make-lock)) (stop (list nil))
+         (clients (loop for plain-p in '(nil nil t t)
+                        collect (let ((jar (make-instance 'drakma:cookie-jar)) (results (list '())))
+                                  (http-get server "/test/session-count" :cookie-jar jar)
+                                  (list results (in-thread (session-client server jar plain-p results lock stop)))))))
+    (sleep 0.5)
+    (ecase fault
+      (:stop (postgresql-cluster:stop-postgresql-server cluster))
+      (:pause (postgresql-cluster:pause-postgresql-server cluster)))
+    (let ((faulted (get-internal-real-time)))
+      (wait-until (lambda () (> (- (get-internal-real-time) faulted) (* seconds internal-time-units-per-second)))
+                  :timeout (+ seconds 1)))
+    (ecase fault
+      (:stop (postgresql-cluster:start-postgresql-server cluster))
+      (:pause (postgresql-cluster:resume-postgresql-server cluster)))
+    (let ((recovered (wait-until (lambda ()
+                                   (bt:with-lock-held (lock)
+                                     (every (lambda (client) (eql 200 (first (first (car (first client))))))
+                                            (subseq clients 0 2))))
+                                 :timeout 30 :interval 0.1)))
+      (setf (car stop) t)
+      (mapc (lambda (client) (funcall (second client))) clients)
+      (and recovered (mapcar (lambda (client) (car (first client))) clients)))))
+
+(defun check-outage-replies (replies-of-clients timeout)
+  "Check the replies OUTAGE-UNDER-LOAD gathered."
+  (is (not (null replies-of-clients)) "sessions did not work again within 30 s")
+  (loop for replies in replies-of-clients
+        for plain-p in '(nil nil t t)
+        do (let ((statuses (remove-duplicates (mapcar #'first replies))))
+             (if plain-p
+                 (is (equal '(200) statuses) "a request not using its session got ~S" statuses)
+                 (progn
+                   (is (subsetp statuses '(200 503)) "a request using its session got ~S" statuses)
+                   (is (member 503 statuses) "no request was refused while the database was away")
+                   (is (counts-explained-p replies) "a session's counter went back, repeated, or skipped without a 503")
+                   (is (every (lambda (reply) (or (eql (first reply) 200) (<= (second reply) (+ timeout 1))))
+                              replies)
+                       "a 503 took more than the timeout: ~,2F s"
+                       (reduce #'max (mapcar #'second replies) :initial-value 0)))))))
+
+(defun log-lines-matching (file text)
+  (with-open-file (in file :if-does-not-exist nil)
+    (if in (loop for line = (read-line in nil) while line count (search text line)) 0)))
+
+(test postgresql-sessions.database-stopped-for-10-s-under-load
+  (with-postgresql-cluster (cluster)
+    (uiop:with-temporary-file (:pathname log)
+      (with-thread-leak-check ()
+        (with-server (server (store-server (cluster-store cluster) :session-store-timeout 1
+                                                                   :message-log-destination log))
+          (check-outage-replies (outage-under-load server cluster :stop 10) 1)
+          (is (wait-until (lambda () (zerop (stats server :in-request-threads))))
+              "a worker is still in a request")))
+      (let ((begun (log-lines-matching log "is unavailable"))
+            (ended (log-lines-matching log "answers again after")))
+        (is (eql 1 begun) "the outage's start was logged ~D times" begun)
+        (is (eql 1 ended) "the outage's end was logged ~D times" ended)))))
+
+(test postgresql-sessions.database-paused-answers-503-within-the-timeout
+  (with-postgresql-cluster (cluster)
+    (with-thread-leak-check ()
+      (with-server (server (store-server (cluster-store cluster) :session-store-timeout 1))
+        (check-outage-replies (outage-under-load server cluster :pause 4) 1)
+        (is (wait-until (lambda () (zerop (stats server :in-request-threads)))))))))
+
+;;; Two demo processes on one port, directly and behind nginx.
+
+(defun launch-demo (port cluster log)
+  "Start the demo on PORT with REUSE_PORT=1 and its sessions in CLUSTER,
+writing to LOG; its process-info once it serves, or NIL."
+  (let ((process (uiop:launch-program
+                  (list "sbcl" "--noinform" "--non-interactive" "--disable-debugger"
+                        "--load" (namestring (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster"
+                                                                            "tools/setup.lisp"))
+                        "--eval" "(load-systems-quietly \"hunchentoot-recycling-taskmaster/demo\")"
+                        "--eval" (format nil "(hunchentoot-recycling-taskmaster-demo:main :port ~D)" port))
+                  :output log :error-output :output :if-output-exists :supersede
+                  :environment (append (list "REUSE_PORT=1")
+                                       (postgresql-cluster:postgresql-cluster-environment cluster)
+                                       (remove-if (lambda (entry) (or (eql 0 (search "PG" entry))
+                                                                      (eql 0 (search "REUSE_PORT=" entry))))
+                                                  (sb-ext:posix-environ))))))
+    (if (wait-until (lambda () (plusp (log-lines-matching log "Serving"))) :timeout 120 :interval 0.1)
+        process
+        (progn (stop-process process) nil))))
+
+(defun stop-process (process)
+  "End PROCESS, which this test started: TERM, then KILL after 10 s."
+  (uiop:terminate-process process)
+  (unless (wait-until (lambda () (not (uiop:process-alive-p process))) :timeout 10)
+    (uiop:terminate-process process :urgent t))
+  (uiop:wait-process process))
+
+(defun count-through (port jar)
+  "The counter and process id /count on PORT answers for the session of JAR, a new connection each time."
+  (multiple-value-bind (body status)
+      (ignore-errors (drakma:http-request (format nil "http://127.0.0.1:~D/count" port)
+                                          :cookie-jar jar :close t :connection-timeout 10))
+    (when (and (eql status 200) (stringp body))
+      (let ((space (position #\Space body)))
+        (list (parse-integer body :end space) (parse-integer body :start (1+ space)))))))
+
+(defun count-sequentially (port jar first last)
+  "Ask /count on PORT with JAR for the counts FIRST to LAST; true when each
+answer was the next count; second value, the process ids that answered;
+third, the first count that was not the one expected, and the one expected."
+  (let ((pids '()) (wrong nil))
+    (loop for expected from first to last
+          for (count pid) = (count-through port jar)
+          do (pushnew pid pids)
+             (unless (or wrong (eql count expected))
+               (setf wrong (list count expected))))
+    (values (null wrong) pids wrong)))
+
+(defun count-concurrently (port jars first last)
+  "Each of JARS in a thread of its own, as COUNT-SEQUENTIALLY; true when every one counted exactly."
+  (let ((joins (mapcar (lambda (jar) (in-thread (lambda () (count-sequentially port jar first last)))) jars)))
+    (every #'identity (mapcar (lambda (join) (first (funcall join))) joins))))
+
+(defun nginx-config-for (listen-port upstream-port directory)
+  "demo/nginx.conf (docs/sessions.md's configuration) for LISTEN-PORT and UPSTREAM-PORT, run from DIRECTORY."
+  (let ((text (uiop:read-file-string (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster"
+                                                                    "demo/nginx.conf"))))
+    (setf text (cl-ppcre:regex-replace-all "127\\.0\\.0\\.1:8080" text (format nil "127.0.0.1:~D" listen-port))
+          text (cl-ppcre:regex-replace-all "127\\.0\\.0\\.1:4242" text (format nil "127.0.0.1:~D" upstream-port)))
+    (with-open-file (out (merge-pathnames "nginx.conf" directory) :direction :output :if-exists :supersede)
+      (write-string text out))
+    (merge-pathnames "nginx.conf" directory)))
+
+(defun launch-nginx (listen-port upstream-port directory)
+  "nginx on LISTEN-PORT in front of UPSTREAM-PORT, by demo/nginx.conf; its process-info once it serves."
+  (let ((process (uiop:launch-program (list "nginx" "-p" (namestring directory)
+                                            "-c" (namestring (nginx-config-for listen-port upstream-port directory))
+                                            "-e" (namestring (merge-pathnames "error.log" directory))
+                                            "-g" "daemon off;")
+                                      :output nil :error-output nil)))
+    (wait-until (lambda () (ignore-errors (usocket:socket-close (connect-to-port listen-port)) t)) :timeout 10)
+    process))
+
+(test postgresql-sessions.processes-share-sessions-on-one-port-and-behind-nginx
+  (with-postgresql-cluster (cluster)
+    (let* ((port (free-port))
+           (directory (uiop:ensure-directory-pathname
+                       (format nil "/tmp/sessions-test-~D-~D/" (sb-posix:getpid) port)))
+           (logs (list (merge-pathnames "demo-1.log" directory) (merge-pathnames "demo-2.log" directory)))
+           (demos '()) (nginx nil)
+           (one (make-instance 'drakma:cookie-jar))
+           (hundred (loop repeat 100 collect (make-instance 'drakma:cookie-jar))))
+      (ensure-directories-exist directory)
+      (flet ((start-demos ()
+               (setf demos (mapcar (lambda (log) (launch-demo port cluster log)) logs))
+               (is (every #'identity demos) "a demo did not start"))
+             (stop-demos ()
+               (mapc #'stop-process (remove nil demos))
+               (setf demos '())))
+        (unwind-protect
+             (progn
+               (start-demos)
+               (multiple-value-bind (exact pids wrong) (count-sequentially port one 1 1000)
+                 (is-true exact "one client's 1,000 requests did not count 1 to 1,000: ~S" wrong)
+                 (is (= 2 (length (remove nil pids))) "not both processes served: ~S" pids))
+               (is-true (count-concurrently port hundred 1 10) "100 clients' counters are not exact")
+               (stop-demos)
+               (start-demos)
+               (is-true (count-sequentially port one 1001 1100) "the restart lost the session of one client")
+               (is-true (count-concurrently port hundred 11 20) "the restart lost a session of the 100 clients")
+               (let ((nginx-port (free-port)))
+                 (setf nginx (launch-nginx nginx-port port directory))
+                 (multiple-value-bind (exact pids wrong) (count-sequentially nginx-port one 1101 2100)
+                   (declare (ignore pids))
+                   (is-true exact "behind nginx, one client's requests did not count on exactly: ~S" wrong))
+                 (is-true (count-concurrently nginx-port hundred 21 30)
+                          "behind nginx, the 100 clients' counters are not exact")))
+          (when nginx (stop-process nginx))
+          (stop-demos)
+          (uiop:delete-directory-tree directory :validate t :if-does-not-exist :ignore))))))
