@@ -25,7 +25,10 @@ TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd postgresql nginx
                 cl-alexandria cl-base64 cl-md5 cl-rfc2388 cl-trivial-backtrace cl-fad \
                 cl-puri cl-iterate cl-split-sequence cl-trivial-utf-8 cl-global-vars \
                 cl-trivial-garbage cl-trivial-features
-BENCH_PACKAGES = wrk nginx-light cl-aserve gnuplot-nox procps curl openssl postgresql
+# Woo, a benchmark peer built from ../shared/vendor, needs libev4 and these.
+BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox procps curl openssl postgresql \
+                 libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \
+                 cl-trivial-gray-streams cl-alexandria cl-global-vars cl-trivial-garbage
 
 .PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions
 

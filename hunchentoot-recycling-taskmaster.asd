@@ -143,6 +143,7 @@ the wrk matrix that measures them, and the many-connection loads."
   :pathname "bench/"
   :serial t
   :components ((:file "server")
+               (:file "peers")
                (:file "driver")
                (:file "connections")
                (:file "slow-clients")

@@ -77,12 +77,16 @@ same octets for every server.  Its native name, ending with a slash."
     (prog1 (usocket:get-local-port socket)
       (usocket:socket-close socket))))
 
-(defun nginx-config (directory port &key upstream-ports)
+(defparameter *nginx-echo-module* "/usr/lib/nginx/modules/ngx_http_echo_module.so"
+  "Debian's nginx echo module (libnginx-mod-http-echo), whose echo_sleep
+makes the 1 ms workloads' handler wait as the Lisp servers' does.")
+
+(defun nginx-config (directory port &key upstream-ports (delay-ms 0))
   "nginx.conf for 2 workers on PORT, its files in DIRECTORY: answering /yo
-itself, or, given UPSTREAM-PORTS, proxying to them as README's
-configuration does (kept-alive upstream connections, closed before our
-keep-alive timeout)."
-  (format nil "worker_processes 2;
+itself (after an echo_sleep of DELAY-MS when it is not 0), or, given
+UPSTREAM-PORTS, proxying to them as README's configuration does (kept-alive
+upstream connections, closed before our keep-alive timeout)."
+  (format nil "~:[~*~;load_module ~A;~%~]worker_processes 2;
 daemon off;
 master_process on;
 pid ~Anginx.pid;
@@ -98,7 +102,7 @@ http {
   scgi_temp_path ~A;
 ~:[  server {
     listen 127.0.0.1:~D;
-    location /yo { default_type text/plain; return 200 \"Hey!\"; }
+    location /yo { default_type text/plain; ~:[return 200 \"Hey!\";~;~:*echo_sleep ~A; echo -n \"Hey!\";~] }
 ~@[    location /static/ { alias ~A; sendfile on; }~%~]  }~;  upstream lisp {
 ~{    server 127.0.0.1:~D;~%~}    keepalive 64;
     keepalive_timeout 4s;
@@ -112,17 +116,20 @@ http {
     }
   }~]
 }
-" directory directory directory directory directory directory directory
-          upstream-ports (or upstream-ports port) (if upstream-ports port *static-folder*)))
+" (plusp delay-ms) *nginx-echo-module*
+          directory directory directory directory directory directory directory
+          upstream-ports (or upstream-ports port)
+          (if upstream-ports port (and (plusp delay-ms) (format nil "~,3F" (/ delay-ms 1000))))
+          (if upstream-ports port *static-folder*)))
 
-(defun launch-nginx (port &key upstream-ports (log-file nil))
+(defun launch-nginx (port &key upstream-ports (log-file nil) (delay-ms 0))
   "Start nginx on PORT (see NGINX-CONFIG) in a directory of its own; its process-info."
   (let* ((directory (format nil "~A/" (string-right-trim
                                       '(#\Newline)
                                       (uiop:run-program '("mktemp" "-d") :output :string))))
          (config (concatenate 'string directory "nginx.conf")))
     (with-open-file (out config :direction :output)
-      (write-string (nginx-config directory port :upstream-ports upstream-ports) out))
+      (write-string (nginx-config directory port :upstream-ports upstream-ports :delay-ms delay-ms) out))
     (uiop:launch-program (list "nginx" "-c" config "-p" directory "-e" (concatenate 'string directory "error.log"))
                          :output log-file :error-output :output :if-output-exists :supersede)))
 
@@ -130,16 +137,20 @@ http {
   "Start SERVER in a process of its own, from its own :CORE if it has one,
 else from CORE; its process-info.  SSL-PORT, SSL-CERTIFICATE and SSL-KEY go
 to SERVE (ours only)."
-  (if (getf server :nginx)
-      (launch-nginx port :log-file log-file)
-      (uiop:launch-program
-       (list "sbcl" "--core" (or (getf server :core) core) "--noinform" "--non-interactive" "--disable-debugger"
-             "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve ~S ~D :delay-ms ~D :static-folder ~S~
-                                     ~@[ :ssl-port ~D~]~@[ :ssl-certificate ~S~]~@[ :ssl-key ~S~])"
-                              (getf server :lisp) port delay-ms *static-folder*
-                              ssl-port (and ssl-certificate (namestring ssl-certificate))
-                              (and ssl-key (namestring ssl-key))))
-       :output log-file :error-output :output :if-output-exists :supersede)))
+  (cond
+    ((getf server :nginx)
+     (launch-nginx port :log-file log-file :delay-ms delay-ms))
+    ((getf server :peer)
+     (launch-peer server port delay-ms log-file))
+    (t
+     (uiop:launch-program
+      (list "sbcl" "--core" (or (getf server :core) core) "--noinform" "--non-interactive" "--disable-debugger"
+            "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve ~S ~D :delay-ms ~D :static-folder ~S~
+                                    ~@[ :ssl-port ~D~]~@[ :ssl-certificate ~S~]~@[ :ssl-key ~S~])"
+                             (getf server :lisp) port delay-ms *static-folder*
+                             ssl-port (and ssl-certificate (namestring ssl-certificate))
+                             (and ssl-key (namestring ssl-key))))
+      :output log-file :error-output :output :if-output-exists :supersede))))
 
 (defun stop-server (process)
   "End PROCESS by its PID: TERM, then KILL if it is still there after 2 s."
@@ -360,13 +371,15 @@ bw = ~F
     (dolist (workload workloads)
       (format out "| ~A |" (workload-name workload))
       (dolist (server *servers*)
-        (let* ((cell (third (find-if (lambda (result) (and (eq (first result) server)
-                                                           (equal (second result) workload)))
-                                     results)))
-               (value (getf cell :requests-per-second))
+        (let* ((result (find-if (lambda (result) (and (eq (first result) server)
+                                                      (equal (second result) workload)))
+                                results))
+               (value (getf (third result) :requests-per-second))
                (ratio (ratio-to value (getf (gethash workload baseline-cells) :requests-per-second))))
-          (format out " ~:[failed~;~:*~Ax (~D/s)~] |"
-                  (and ratio (ratio-text ratio)) (and value (round value)))))
+          (cond ((null result) (format out " - |"))
+                ((null (gethash workload baseline-cells)) (format out " ~D/s |" (and value (round value))))
+                (t (format out " ~:[failed~;~:*~Ax (~D/s)~] |"
+                           (and ratio (ratio-text ratio)) (and value (round value)))))))
       (terpri out))))
 
 (defun server-cells (results server-name)
@@ -410,22 +423,30 @@ and push each result on MEASURED under (server name, workload)."
                                                  :core core :directory directory :round round)
                    (gethash (list (getf server :name) workload) measured)))))
 
-(defun run-benchmarks (&key quick core (servers *servers*) (workloads (workloads quick))
+(defun run-benchmarks (&key quick core (servers *servers*) (peers t) (workloads (workloads quick))
                             (rounds (if quick 1 3)) (seconds (if quick 2 5))
                             (output-root "bench/results/") (run-name (utc-timestamp)))
   "Measure every server of SERVERS on every workload, ROUNDS times in turn
 (round by round, so that a slow minute of the machine hits every server),
 and keep each cell's median round; write the results directory and print
-the ratio tables.  QUICK: one round of 2 s cells, 100 connections only.
-Returns the directory."
-  (let* ((*servers* servers)
+the ratio tables.  With PEERS, the peers of *PEERS* whose sources are there
+are measured too, on the handler workloads.  QUICK: one round of 2 s cells,
+100 connections only.  Returns the directory."
+  (let* ((peer-directory (format nil "~A/" (string-right-trim '(#\Newline)
+                                                              (uiop:run-program '("mktemp" "-d") :output :string))))
+         (*servers* (append servers
+                            (when peers
+                              (announce-missing-peers)
+                              (remove nil (mapcar (lambda (peer) (build-peer-core peer peer-directory))
+                                                  (available-peers))))))
          (*static-folder* (make-static-folder))
          (warm-seconds 2)
          (directory (format nil "~A~A/" output-root run-name))
          (cells (loop for workload in workloads
                       append (loop for round from 1 to rounds
                                    append (loop for server in *servers*
-                                                collect (list server workload round)))))
+                                                when (measures-workload-p server workload)
+                                                  collect (list server workload round)))))
          (measured (make-hash-table :test #'equal))
          (results '())
          (baseline-cells (make-hash-table :test #'equal)))
@@ -433,16 +454,17 @@ Returns the directory."
     (write-system-info (concatenate 'string directory "system-info.txt"))
     (unwind-protect (measure-every-cell cells measured :seconds seconds :warm-seconds warm-seconds
                                                        :rounds rounds :core core :directory directory)
-      (uiop:run-program (list "rm" "-rf" *static-folder*)))
+      (uiop:run-program (list "rm" "-rf" *static-folder* peer-directory)))
     (dolist (workload workloads)
       (dolist (server *servers*)
-        (let ((cell (median-cell (gethash (list (getf server :name) workload) measured))))
-          (when (eq server (first *servers*))
-            (setf (gethash workload baseline-cells) cell))
-          (push (list server workload cell
-                      (ratio-to (getf cell :requests-per-second)
-                                (getf (gethash workload baseline-cells) :requests-per-second)))
-                results))))
+        (when (measures-workload-p server workload)
+          (let ((cell (median-cell (gethash (list (getf server :name) workload) measured))))
+            (when (eq server (first *servers*))
+              (setf (gethash workload baseline-cells) cell))
+            (push (list server workload cell
+                        (ratio-to (getf cell :requests-per-second)
+                                  (getf (gethash workload baseline-cells) :requests-per-second)))
+                  results)))))
     (setf results (nreverse results))
     (write-csv (concatenate 'string directory "results.csv") results)
     (let ((baseline (getf (first *servers*) :label)))
@@ -452,14 +474,19 @@ Returns the directory."
       (write-chart directory results workloads :p99-ms
                    (format nil "p99 latency, ms (log scale, lower is better); labels: ratio to ~A" baseline)
                    "p99-latency" baseline-cells))
-    (let ((table (summary-table results workloads baseline-cells))
-          (nginx-cells (server-cells results "nginx")))
+    (let ((table (summary-table results workloads baseline-cells)))
       (with-open-file (out (concatenate 'string directory "summary.md") :direction :output)
         (format out "Requests/s, the median of ~D round~:P of ~D s per cell, as a ratio to ~A in this run:~%~%~A"
                 rounds seconds (getf (first *servers*) :name) table)
-        (when (plusp (hash-table-count nginx-cells))
-          (format out "~%The same, as a fraction of nginx in this run:~%~%~A"
-                  (summary-table results workloads nginx-cells))))
+        (dolist (reference '("woo" "nginx"))
+          (let ((cells (server-cells results reference)))
+            (when (plusp (hash-table-count cells))
+              (format out "~%The same, as a fraction of ~A in this run:~%~%~A"
+                      reference (summary-table results workloads cells)))))
+        (let ((missing (set-difference *peers* (available-peers))))
+          (when missing
+            (format out "~%Not measured (sources not in ~A): ~{~A~^, ~}.~%"
+                    (namestring (vendor-directory)) (mapcar (lambda (peer) (getf peer :label)) missing)))))
       (format t "~&~%Requests/s (median of ~D round~:P), ratio to ~A in this run (~A):~%~A~%Results: ~A~%"
               rounds (getf (first *servers*) :name) directory table directory))
     directory))
@@ -481,7 +508,7 @@ bench/results/<UTC timestamp>-compare-<REVISION>/.  Returns the directory."
                workload-name (mapcar #'workload-name (workloads nil)))))
     (run-benchmarks :quick quick :core core :workloads workloads
                     :rounds (or rounds (if quick 1 3))
-                    :run-name (format nil "~A-compare-~A" (utc-timestamp) revision)
+                    :run-name (format nil "~A-compare-~A" (utc-timestamp) revision) :peers nil
                     :servers (list (first *servers*)
                                    (list :name revision :label (format nil "parallel-easy-acceptor at ~A" revision)
                                          :lisp :parallel :core revision-core)
