@@ -26,7 +26,7 @@ TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd postgresql nginx
                 cl-puri cl-iterate cl-split-sequence cl-trivial-utf-8 cl-global-vars \
                 cl-trivial-garbage cl-trivial-features
 # Woo, a benchmark peer built from ../shared/vendor, needs libev4 and these.
-BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox procps curl openssl postgresql \
+BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox procps curl openssl postgresql strace \
                  libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \
                  cl-trivial-gray-streams cl-alexandria cl-global-vars cl-trivial-garbage
 

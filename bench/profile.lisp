@@ -38,3 +38,59 @@ time goes, :ALLOC for where the bytes are consed.  True when wrk answered."
                (sb-sprof:report :type :flat :max 40 :stream *standard-output*)
                (plusp requests))))
       (ht:stop *acceptor*))))
+
+;;; What a kept-alive request costs ours, for the matrix's summary: system
+;;; calls (strace -c over every thread of the server process) and bytes
+;;; consed, per request served.
+
+(defun strace-total-calls (file)
+  "The total of the calls column of the strace -c summary in FILE, or NIL."
+  (let ((match (nth-value 1 (cl-ppcre:scan-to-strings "(?m)^[\\d.\\s]+?\\s(\\d+)\\s+(?:\\d+\\s+)?total\\s*$"
+                                                      (uiop:read-file-string file)))))
+    (and match (parse-integer (aref match 0)))))
+
+(defun measure-request-costs (core &key (connections 100) (seconds 3))
+  "Ours in a process of its own from CORE, /yo kept alive over CONNECTIONS
+connections for SECONDS under strace -c -f: system calls and bytes consed
+per request served, as a plist (NIL values when strace is missing)."
+  (let* ((port (free-port))
+         (process (launch-server (second *servers*) port 0 core nil))
+         (workload (list :delay-ms 0 :close nil :connections connections)))
+    (unwind-protect
+         (when (wait-until-serving port)
+           (wrk port workload 2)
+           (uiop:with-temporary-file (:pathname summary)
+             (let* ((before (lisp-counters port t))
+                    (strace (ignore-errors
+                             (uiop:launch-program (list "strace" "-c" "-f" "-o" (namestring summary)
+                                                        "-p" (princ-to-string (uiop:process-info-pid process)))
+                                                  :output nil :error-output nil))))
+               ;; strace attaches to each thread before it counts.
+               (sleep 1)
+               (wrk port workload seconds)
+               (let ((after (lisp-counters port nil)))
+                 (when strace
+                   (uiop:terminate-process strace)
+                   (uiop:wait-process strace))
+                 (let ((served (- (getf after :requests) (getf before :requests))))
+                   (when (plusp served)
+                     (list :requests served
+                           :system-calls-per-request (let ((calls (and strace (strace-total-calls summary))))
+                                                       (and calls (/ calls served)))
+                           :bytes-consed-per-request (round (- (getf after :consed) (getf before :consed))
+                                                            served))))))))
+      (stop-server process))))
+
+(defun append-request-costs (directory core)
+  "Measure what a kept-alive request costs ours and add it to DIRECTORY's
+summary.md and to the output."
+  (let* ((costs (measure-request-costs core))
+         (text (format nil "~%What a kept-alive request costs ours (0 ms handler, 100 connections, wrk for ~
+                            3 s, under strace -c -f): ~:[-~;~:*~,1F~] system calls and ~:[-~;~:*~D~] bytes ~
+                            consed per request (~D requests).~%"
+                       (getf costs :system-calls-per-request) (getf costs :bytes-consed-per-request)
+                       (getf costs :requests))))
+    (with-open-file (out (concatenate 'string directory "summary.md") :direction :output :if-exists :append)
+      (write-string text out))
+    (write-string text)
+    directory))
