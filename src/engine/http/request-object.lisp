@@ -66,7 +66,7 @@ it on first use."
 
 (defstruct (object-constructors
             (:constructor %make-object-constructors
-                (request plain-request default-session-verify-p plus-is-space-p reply)))
+                (request plain-request cookie-only-session-verify-p plus-is-space-p reply)))
   "The functions that make an acceptor's request and reply objects."
   ;; Makes a request through MAKE-INSTANCE, with Hunchentoot's initializer.
   (request nil :type function :read-only t)
@@ -77,7 +77,7 @@ it on first use."
   ;; True when HUNCHENTOOT:SESSION-VERIFY of a request is Hunchentoot's or
   ;; ours (SESSION-VERIFY-READS-COOKIE-ONLY-P), which find no session unless
   ;; the session cookie name is in the Cookie header or the query string.
-  (default-session-verify-p nil :read-only t)
+  (cookie-only-session-verify-p nil :read-only t)
   ;; True when the loaded Hunchentoot's initializer reads a + in a request's
   ;; path as a space: 1.2 does, 1.3.0 stopped.
   (plus-is-space-p t :read-only t)
@@ -246,7 +246,7 @@ SESSION-COOKIE-NAME: Hunchentoot's SESSION-VERIFY then finds no session."
 initializer does, with its handling of an error (logged, 400)."
   (handler-case
       (with-hunchentoot-debugger
-        (when (or (not (object-constructors-default-session-verify-p constructors))
+        (when (or (not (object-constructors-cookie-only-session-verify-p constructors))
                   (may-name-session-p (hunchentoot:session-cookie-name acceptor)
                                       (cdr (assoc :cookie (hunchentoot:headers-in request)))
                                       (hunchentoot:query-string request)))
