@@ -64,12 +64,19 @@ checkout and Debian's."
 
 (defun call-quietly (component function)
   "Call FUNCTION, which compiles or loads COMPONENT, without compiler notes,
-and without the warnings of a component that is not this checkout's."
-  (handler-bind ((sb-ext:compiler-note #'muffle-warning)
-                 (warning (lambda (condition)
-                            (unless (this-checkout-component-p component)
-                              (muffle-warning condition)))))
-    (funcall function)))
+and without the warnings of a component that is not this checkout's.  Such
+a component is compiled in a compilation unit of its own: SBCL reports an
+undefined variable or function at the end of the unit, which would
+otherwise come after every component, out of reach of this handler."
+  (let ((ours (this-checkout-component-p component)))
+    (handler-bind ((sb-ext:compiler-note #'muffle-warning)
+                   (warning (lambda (condition)
+                              (unless ours
+                                (muffle-warning condition)))))
+      (if ours
+          (funcall function)
+          (with-compilation-unit (:override t)
+            (funcall function))))))
 
 (defmethod asdf:perform :around ((operation asdf:compile-op) (component asdf:cl-source-file))
   (call-quietly component #'call-next-method))
