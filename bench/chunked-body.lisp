@@ -39,7 +39,7 @@
 
 (defun send-and-read-reply (port octets)
   "Send OCTETS to 127.0.0.1:PORT and read the reply to its end; the reply's
-body, as a string."
+body, as a string, and its head."
   (let ((socket (usocket:socket-connect "127.0.0.1" port :element-type '(unsigned-byte 8))))
     (unwind-protect
          (let ((stream (usocket:socket-stream socket)))
@@ -49,9 +49,10 @@ body, as a string."
              (loop for octet = (read-byte stream nil)
                    while octet
                    do (vector-push-extend (code-char octet) reply))
-             (subseq reply (+ 4 (or (search (format nil "~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed)
-                                            reply)
-                                    (- (length reply) 4))))))
+             (let ((head-end (or (search (format nil "~C~C~C~C" #\Return #\Linefeed #\Return #\Linefeed)
+                                         reply)
+                                 (- (length reply) 4))))
+               (values (subseq reply (+ 4 head-end)) (subseq reply 0 head-end)))))
       (usocket:socket-close socket))))
 
 (defun chunked-body-cpu (server megabytes requests core)

@@ -23,20 +23,14 @@ PostgreSQL cluster whose socket is in POSTGRESQL-HOST, or in the process."
 
 (defun new-session-cookie (port)
   "The Cookie header value of a new session of the server on PORT."
-  (let ((socket (usocket:socket-connect "127.0.0.1" port :element-type '(unsigned-byte 8))))
-    (unwind-protect
-         (let ((stream (usocket:socket-stream socket)))
-           (write-sequence (map '(vector (unsigned-byte 8)) #'char-code
-                                (format nil "GET /session HTTP/1.1~C~CHost: localhost~C~CConnection: close~C~C~C~C"
-                                        #\Return #\Linefeed #\Return #\Linefeed #\Return #\Linefeed
-                                        #\Return #\Linefeed))
-                           stream)
-           (finish-output stream)
-           (let* ((reply (map 'string #'code-char (loop for octet = (read-byte stream nil)
-                                                         while octet collect octet)))
-                  (match (nth-value 1 (cl-ppcre:scan-to-strings "(?im)^set-cookie: ([^;\\r]+)" reply))))
-             (and match (aref match 0))))
-      (usocket:socket-close socket))))
+  (let* ((head (nth-value 1 (send-and-read-reply
+                             port (map '(vector (unsigned-byte 8)) #'char-code
+                                       (format nil "GET /session HTTP/1.1~C~CHost: localhost~C~C~
+                                                    Connection: close~C~C~C~C"
+                                               #\Return #\Linefeed #\Return #\Linefeed #\Return #\Linefeed
+                                               #\Return #\Linefeed)))))
+         (match (nth-value 1 (cl-ppcre:scan-to-strings "(?im)^set-cookie: ([^;\\r]+)" head))))
+    (and match (aref match 0))))
 
 (defun session-wrk-script (cookies directory)
   "A wrk Lua script, written in DIRECTORY, sending each request with the next of COOKIES; its path."

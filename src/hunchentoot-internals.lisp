@@ -201,23 +201,22 @@ SLOT-NAME besides its initarg or initform: :SCRIPT-NAME, :QUERY-STRING,
 (defun (setf session-last-click) (time session)
   (setf (slot-value session 'hunchentoot::last-click) time))
 
+(defun fill-session-identity (session id string)
+  "SESSION, made by ALLOCATE-INSTANCE, with its id and session string set."
+  (setf (slot-value session 'hunchentoot::session-id) id
+        (slot-value session 'hunchentoot::session-string) string)
+  session)
+
 (defun fill-session (session &key id string user-agent remote-addr start last-click data max-time)
   "SESSION, an instance of a subclass of HUNCHENTOOT:SESSION made by
 ALLOCATE-INSTANCE, with every field Hunchentoot's session has set."
-  (setf (slot-value session 'hunchentoot::session-id) id
-        (slot-value session 'hunchentoot::session-string) string
-        (slot-value session 'hunchentoot::user-agent) user-agent
+  (fill-session-identity session id string)
+  (setf (slot-value session 'hunchentoot::user-agent) user-agent
         (slot-value session 'hunchentoot::remote-addr) remote-addr
         (slot-value session 'hunchentoot::session-start) start
         (slot-value session 'hunchentoot::last-click) last-click
         (slot-value session 'hunchentoot::session-data) data
         (slot-value session 'hunchentoot::max-time) max-time)
-  session)
-
-(defun fill-session-identity (session id string)
-  "SESSION, made by ALLOCATE-INSTANCE, with its id and session string set."
-  (setf (slot-value session 'hunchentoot::session-id) id
-        (slot-value session 'hunchentoot::session-string) string)
   session)
 
 (defun session-field-slot-p (slot-name)
