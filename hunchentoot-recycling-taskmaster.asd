@@ -17,6 +17,7 @@ bytes, with acceptors that use it by default."
                                                 (:file "sbcl-epoll")
                                                 (:file "sbcl-sockets")
                                                 (:file "sbcl-files")
+                                                (:file "sbcl-clock")
                                                 (:file "sbcl-deadlines")
                                                 (:file "sbcl-random")
                                                 (:file "sbcl-mop")))

@@ -29,6 +29,7 @@
    #:recycling-taskmaster
    #:*default-standby-thread-count*
    #:taskmaster-standby-thread-count
+   #:taskmaster-max-waiting-thread-count
    #:taskmaster-thread-idle-timeout
    #:taskmaster-stop-timeout
 

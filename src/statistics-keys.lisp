@@ -10,6 +10,8 @@
   '((:threads :gauge "threads" "Worker threads in the pool.")
     (:busy-threads :gauge "busy_threads" "Workers not waiting for work.")
     (:accepting-threads :gauge "waiting_threads" "Workers waiting for work.")
+    (:resting-threads :gauge "resting_threads"
+     "Of the workers waiting for work, those resting off the engine while :MAX-WAITING-THREAD-COUNT others wait on it.")
     (:in-request-threads :gauge "in_request_threads"
      "Workers between a complete request head and its reply.")
     (:peak-threads :gauge "peak_threads" "The most workers the pool has held at once.")

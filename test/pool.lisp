@@ -45,6 +45,8 @@ bound to STANDBY-VAR, each time with a thread-leak check."
     (is (rejected-p :max-accept-count -1))
     (is (rejected-p :thread-idle-timeout 0))
     (is (rejected-p :stop-timeout -1))
+    (is (rejected-p :max-waiting-thread-count 0))
+    (is (rejected-p :max-waiting-thread-count nil))
     (is (not (rejected-p :standby-thread-count 4 :max-thread-count 4 :max-accept-count nil)))
     (is (not (rejected-p :max-thread-count nil :max-accept-count nil)))))
 
@@ -53,7 +55,9 @@ bound to STANDBY-VAR, each time with a thread-leak check."
     (is (= *default-standby-thread-count* (taskmaster-standby-thread-count taskmaster)))
     (is (= 8 *default-standby-thread-count*))
     (is (= 100 (ht:taskmaster-max-thread-count taskmaster)))
-    (is (= 120 (ht:taskmaster-max-accept-count taskmaster))))
+    (is (= 120 (ht:taskmaster-max-accept-count taskmaster)))
+    (is (= (max 2 (* 2 (hunchentoot-recycling-taskmaster::online-processor-count))) (taskmaster-max-waiting-thread-count taskmaster)))
+    (is (<= 2 (taskmaster-max-waiting-thread-count taskmaster))))
   (dolist (class '(parallel-acceptor parallel-easy-acceptor))
     (is (eql 0 (getf (taskmaster-statistics (make-instance class)) :threads))
         "~S has a recycling taskmaster by default" class)))
@@ -104,6 +108,41 @@ that joins the client (see IN-THREAD)."
           "connections past the thread limit are queued and served: ~S" statuses))
     (is (= 8 (stats server :peak-threads)))))
 
+(define-pool-test pool.rests-workers-beyond-max-waiting-thread-count (standby)
+  (with-server (server (pooled-server :standby-thread-count standby :max-waiting-thread-count 2))
+    (is (wait-until (lambda () (= (max 0 (- standby 2)) (stats server :resting-threads))))
+        "~D of ~D idle workers rest, not ~D" (max 0 (- standby 2)) standby (stats server :resting-threads))
+    (is (= standby (stats server :accepting-threads)) "resting workers count as waiting for work")
+    (is (= 0 (stats server :busy-threads)))
+    (is (eql 200 (http-get server "/test/yo")))))
+
+(define-pool-test pool.growth-wakes-resting-workers-first (standby)
+  ;; Handlers that sleep leave the processors idle: growth releases every
+  ;; resting worker, and makes threads only once none rests.
+  (with-server (server (pooled-server :standby-thread-count standby :max-waiting-thread-count 1
+                                      :max-thread-count (+ standby 4)))
+    (is (wait-until (lambda () (= (1- standby) (stats server :resting-threads)))))
+    (let ((joins (loop repeat (+ standby 4)
+                       collect (in-thread (lambda () (http-get server "/test/sleep?ms=1500"))))))
+      (is (wait-until (lambda () (= (+ standby 4) (stats server :in-request-threads))))
+          "~D requests run at once, ~D resting" (stats server :in-request-threads)
+          (stats server :resting-threads))
+      (is (= 0 (stats server :resting-threads)))
+      (is (= 4 (- (stats server :threads-created) standby)) "threads made only past the resting ones")
+      (is (every (lambda (join) (eql 200 (first (funcall join)))) joins)))))
+
+(define-pool-test pool.resting-workers-retire-down-to-standby (standby)
+  (with-server (server (pooled-server :standby-thread-count standby :max-waiting-thread-count 1
+                                      :thread-idle-timeout 0.2))
+    (let ((statuses (concurrent-gets server "/test/sleep?ms=200" (+ standby 6))))
+      (is (every (lambda (status) (eql 200 status)) statuses) "statuses ~S" statuses))
+    (is (< standby (stats server :peak-threads)) "the pool grew past standby")
+    (is (wait-until (lambda () (= standby (stats server :threads))) :timeout 10)
+        "the pool shrank back to ~D, it holds ~D" standby (stats server :threads))
+    (is (wait-until (lambda () (= (1- standby) (stats server :resting-threads))))
+        "idle workers past the one allowed to wait rest: ~D of ~D" (stats server :resting-threads) standby)
+    (is (eql 200 (http-get server "/test/yo")))))
+
 (define-pool-test pool.counts-are-zero-after-stop (standby)
   (let ((server (pooled-server :standby-thread-count standby)))
     (with-server (server server)
@@ -111,6 +150,7 @@ that joins the client (see IN-THREAD)."
     (is (= 0 (stats server :threads)))
     (is (= 0 (stats server :busy-threads)))
     (is (= 0 (stats server :accepting-threads)))
+    (is (= 0 (stats server :resting-threads)))
     (is (= 0 (stats server :in-request-threads)))))
 
 (define-pool-test pool.restarts-on-the-same-port (standby)
@@ -259,6 +299,19 @@ that joins the client (see IN-THREAD)."
             (documentation symbol 'variable)
             (documentation symbol 'type))
         "~S has no docstring" symbol)))
+
+(test statistics.request-durations-are-timed-finely
+  ;; SBCL's GET-INTERNAL-REAL-TIME moves in steps of a kernel tick (4 ms on
+  ;; Debian's kernel): a request of 2 ms timed with it reads 0 about half
+  ;; the time, and lands in the 0.5 ms bucket.
+  (with-thread-leak-check ()
+    (with-server (server (pooled-server :standby-thread-count 2))
+      (dotimes (i 10) (http-get server "/test/sleep?ms=2"))
+      (is (wait-until (lambda () (= 10 (stats server :request-duration-count)))))
+      (is (= 0 (cdr (assoc 0.001 (stats server :request-duration-buckets))))
+          "no request of 2 ms counted as 1 ms or less: ~S" (stats server :request-duration-buckets))
+      (is (<= 2/1000 (/ (stats server :request-duration-seconds) 10) 50/1000)
+          "mean ~,4F s" (/ (stats server :request-duration-seconds) 10)))))
 
 (test statistics.counts-what-happened
   (with-thread-leak-check ()

@@ -26,10 +26,11 @@ made."))
 
 (defgeneric engine-run-worker (engine worker)
   (:documentation "Serve with the calling thread, WORKER's, until the pool is
-stopping or WORKER is surplus (NOTE-WAIT-TIMED-OUT said it retires); then
-return.  The engine reports WORKER's waits and requests to the pool with the
-NOTE-... functions of pool/worker.lisp, and holds each connection it serves
-with HOLD-CONNECTION until LET-GO-OF-CONNECTION."))
+stopping or WORKER is surplus (BEGIN-WAITING or NOTE-WAIT-TIMED-OUT said it
+is to end); then return.  The engine reports WORKER's waits and requests to
+the pool with the functions of pool/worker.lisp (BEGIN-WAITING, NOTE-...),
+and holds each connection it serves with HOLD-CONNECTION until
+LET-GO-OF-CONNECTION."))
 
 (defgeneric engine-wake-workers (engine)
   (:documentation "Make every worker waiting in ENGINE, now and later, return

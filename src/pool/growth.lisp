@@ -1,19 +1,21 @@
 ;;;; When the pool grows.  A worker woken while no other waits asks for one
 ;;;; more (NOTE-WOKEN); the thread-making thread weighs the request here.
-;;;; Another worker pays only when a processor is free to run it: when the
-;;;; processors are all busy, the newcomer just takes turns with the
-;;;; workers there are, and each thread added costs every request a share
-;;;; of the switching between them (bench/profiles/2026-11-22-pool-growth.txt:
-;;;; a 0 ms handler on 2 cores answered about a third more with the pool
-;;;; held at its 8 standby workers than grown to 100).  Handlers that wait -- on a
+;;;; A resting worker (pool/worker.lisp) costs nothing to wake: while work
+;;;; waits that no worker has taken, one is released at once.  A new thread
+;;;; pays only when a processor is free to run it: when the processors are
+;;;; all busy, the newcomer just takes turns with the workers there are,
+;;;; and each thread added costs every request a share of the switching
+;;;; between them (bench/profiles/2026-11-22-pool-growth.txt: a 0 ms
+;;;; handler on 2 cores answered about a third more with the pool held at
+;;;; its 8 standby workers than grown to 100).  Handlers that wait -- on a
 ;;;; timer, a client, a database -- leave processors idle, and then more
-;;;; workers answer more.  So the pool grows while there is work no worker
-;;;; has taken and the machine's processors were idle for part of the last
-;;;; moment, by at most the idle share of its size until it is measured
-;;;; again; it declines otherwise, and looks again at growing intervals
-;;;; while no worker waits, since a pool whose every worker blocks has
-;;;; nobody left to ask.  Where the processors' idle time cannot be read,
-;;;; the pool grows whenever it is asked.
+;;;; workers answer more.  So a thread is made while there is work no
+;;;; worker has taken and the machine's processors were idle for part of
+;;;; the last moment, by at most the idle share of the pool's size until it
+;;;; is measured again; growth declines otherwise, and looks again at
+;;;; growing intervals while no worker waits, since a pool whose every
+;;;; worker blocks has nobody left to ask.  Where the processors' idle time
+;;;; cannot be read, the pool grows whenever it is asked.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -101,10 +103,11 @@ cannot be read), which is then counted against it."
 
 (defun growth-decision (taskmaster)
   "What to do about a request for one more worker: :DROP it when a worker
-waits; :LATER when no work waits yet; :GROW when the processors' idle time
-leaves room for it; else :DECLINE."
+waits; :LATER when no work waits yet; :GROW when a worker rests or the
+processors' idle time leaves room for a thread; else :DECLINE."
   (cond ((plusp (waiting-worker-count taskmaster)) :drop)
         ((not (engine-work-waiting-p (taskmaster-engine taskmaster))) :later)
+        ((plusp (with-pool-lock (taskmaster) (unreleased-resting-count taskmaster))) :grow)
         ((take-growth-budget taskmaster) :grow)
         (t :decline)))
 
@@ -120,8 +123,10 @@ keep it to weigh again after an interval that doubles each time."
           (:grow
            (setf (growth-asked-p taskmaster) nil)
            (next-weighing-in 0)
-           (when (pool-may-grow-p taskmaster)
-             (incf (pending-thread-count taskmaster))))
+           (cond ((plusp (unreleased-resting-count taskmaster))
+                  (release-resting-worker taskmaster))
+                 ((pool-may-grow-p taskmaster)
+                  (incf (pending-thread-count taskmaster)))))
           (:drop
            (setf (growth-asked-p taskmaster) nil))
           ((:decline :later)

@@ -28,6 +28,7 @@ PARALLEL-ACCEPTOR catches ACCEPTOR-ABANDONED."
           (soft-stop-p taskmaster) nil
           (pending-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster)
           (growth-asked-p taskmaster) nil
+          (released-count taskmaster) 0
           (growth-weighing-interval taskmaster) 0)))
 
 (defun taskmaster-engine-for (taskmaster acceptor)
@@ -77,6 +78,7 @@ that they all wait: under load some already serve.  POOL-LOCK held."
   (with-pool-state-change (taskmaster)
     (setf (shutting-down-p taskmaster) t)
     (notify-thread-maker taskmaster)
+    (condition-broadcast (resting-wakeup taskmaster))
     (notify-pool-changed taskmaster)))
 
 (defun cut-connections (taskmaster &key spare-requests-p)
@@ -157,6 +159,7 @@ below zero."
           (pool-thread-count taskmaster) 0
           (pending-thread-count taskmaster) 0
           (growth-asked-p taskmaster) nil
+          (released-count taskmaster) 0
           (pool-gauges-waiting (pool-gauges taskmaster)) 0)
     (notify-pool-changed taskmaster)))
 

@@ -20,10 +20,11 @@ work finishing while they are read."))
   (let ((engine (taskmaster-engine taskmaster)))
     (append
      (with-pool-lock (taskmaster)
-       (let ((waiting (waiting-worker-count taskmaster)))
+       (let ((idle (+ (waiting-worker-count taskmaster) (resting-count taskmaster))))
          (list :threads (pool-thread-count taskmaster)
-               :busy-threads (max 0 (- (pool-thread-count taskmaster) waiting))
-               :accepting-threads waiting
+               :busy-threads (max 0 (- (pool-thread-count taskmaster) idle))
+               :accepting-threads idle
+               :resting-threads (resting-count taskmaster)
                :in-request-threads (in-request-count taskmaster)
                :requests-served (+ (retired-requests-served taskmaster)
                                    (reduce #'+ (pool-workers taskmaster) :key #'worker-requests-served))

@@ -7,15 +7,19 @@
 ;;;;
 ;;;; Locking discipline.
 ;;;; - POOL-LOCK guards the worker list and the pool's counts.  Each change
-;;;;   of pool state is one small NOTE-... function (pool/worker.lisp) that
-;;;;   takes the lock once, with interrupts deferred so that
+;;;;   of pool state is one small function (pool/worker.lisp) that takes
+;;;;   the lock once, with interrupts deferred so that
 ;;;;   BT:DESTROY-THREAD (ABANDON-ACCEPTOR only) never leaves half a change.
 ;;;;   The lock is never held across I/O, thread creation or joining.
 ;;;; - ENGINE and SOFT-STOP-P are written only while no worker runs (START
 ;;;;   before the first worker is made, STOP before it wakes them), so they
 ;;;;   are read without the lock.
 ;;;; - The count of waiting workers changes twice per request: it is an
-;;;;   atomic word in GAUGES, not locked.
+;;;;   atomic word in GAUGES, not locked.  A worker joins the waiters by a
+;;;;   compare-and-swap that keeps them at most MAX-WAITING-THREAD-COUNT;
+;;;;   the count may pass it only by a worker growth released from rest.
+;;;; - Resting workers (pool/worker.lisp) wait on RESTING-WAKEUP under
+;;;;   POOL-LOCK; their counts are the lock's.
 ;;;; - A worker's STATE is written by its own thread only.  Before each
 ;;;;   request it writes its state, then, after a memory barrier, reads
 ;;;;   SHUTTING-DOWN-P; STOP writes SHUTTING-DOWN-P under the lock and reads
@@ -29,6 +33,13 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
+(defun default-max-waiting-thread-count ()
+  "Twice the processors online, and 2 at least: enough waiting workers that
+a processor finishing a request finds one, few enough that a connection's
+bytes seldom wake a thread that was asleep (bench/profiles/
+2026-11-24-waiting-workers.txt)."
+  (max 2 (* 2 (online-processor-count))))
+
 (defvar *default-standby-thread-count* 8
   "The STANDBY-THREAD-COUNT of a RECYCLING-TASKMASTER made without one: how
 many workers wait for connections when there is no load.")
@@ -36,6 +47,11 @@ many workers wait for connections when there is no load.")
 (defgeneric taskmaster-standby-thread-count (taskmaster)
   (:documentation "How many workers TASKMASTER keeps waiting for connections
 when there is no load."))
+
+(defgeneric taskmaster-max-waiting-thread-count (taskmaster)
+  (:documentation "The most workers of TASKMASTER that wait on the engine for
+something to serve at once; other idle workers rest in the pool until
+growth needs them."))
 
 (defgeneric taskmaster-thread-idle-timeout (taskmaster)
   (:documentation "Seconds a worker of TASKMASTER waits for something to
@@ -64,6 +80,17 @@ load: made by HUNCHENTOOT:START and kept when idle workers retire.")
     :documentation "The most workers the pool may hold, or NIL for no limit.
 When every one of them is busy, connections wait, costing no thread, until
 a worker is free.")
+   (max-waiting-thread-count
+    :initarg :max-waiting-thread-count
+    :reader taskmaster-max-waiting-thread-count
+    :documentation "The most workers that wait on the engine at once.  Each
+waiting worker is a thread the kernel may wake for a connection's bytes
+while another worker, already running, would take them a moment later:
+beyond a few per processor, waking costs more than waiting.  Idle workers
+past this count rest on a condition variable of the pool, and growth
+(pool/growth.lisp) wakes one of them before it makes a thread.  A worker
+whose last request took a millisecond or more waits on the engine whatever
+the count: handlers that wait need workers in circulation.")
    (max-accept-count
     :initarg :max-accept-count
     :reader hunchentoot:taskmaster-max-accept-count
@@ -93,6 +120,15 @@ finishes a request while the pool stops, or ends.")
     :initform (bt:make-condition-variable) :reader maker-wakeup
     :documentation "Notified when the thread-making thread has work: a thread
 to make, or shutdown.")
+   (resting-wakeup
+    :initform (bt:make-condition-variable) :reader resting-wakeup
+    :documentation "Notified when growth releases a resting worker, and
+broadcast when the pool stops.")
+   (resting-count :initform 0 :accessor resting-count
+                  :documentation "Workers resting in the pool, off the engine, released ones included.")
+   (released-count :initform 0 :accessor released-count
+                   :documentation "Resting workers growth has released that have
+not yet woken to take their place among the waiting.")
    (workers :initform '() :accessor pool-workers
             :documentation "Every live worker thread's record, retiring ones included.")
    (thread-maker :initform nil :accessor thread-maker
@@ -133,6 +169,7 @@ grow while every processor already had a worker running, and did not.")
   (:default-initargs
    :standby-thread-count *default-standby-thread-count*
    :max-thread-count (default-max-thread-count)
+   :max-waiting-thread-count (default-max-waiting-thread-count)
    :max-accept-count (default-max-accept-count)
    :thread-idle-timeout 1
    :stop-timeout 10)
@@ -145,9 +182,10 @@ with STANDBY-THREAD-COUNT workers; when the last waiting worker is woken,
 the one thread-making thread adds one, up to MAX-THREAD-COUNT, if work is
 waiting and the processors have idle time (handlers wait on timers,
 clients, databases): workers that would only take turns on busy
-processors are not made.  Surplus workers retire after THREAD-IDLE-TIMEOUT
-seconds without work.  Needs a
-PARALLEL-ACCEPTOR."))
+processors are not made.  At most MAX-WAITING-THREAD-COUNT workers wait on
+the engine at once; other idle workers rest, and growth wakes them before
+it makes threads.  Surplus workers retire after THREAD-IDLE-TIMEOUT
+seconds without work.  Needs a PARALLEL-ACCEPTOR."))
 
 (defun check-count (initarg value &key (minimum 0) (null-allowed nil))
   (unless (or (and null-allowed (null value))
@@ -164,6 +202,7 @@ PARALLEL-ACCEPTOR."))
     ;; woken, so a pool of none would never start.
     (check-count :standby-thread-count standby :minimum 1)
     (check-count :max-thread-count max-threads :minimum 1 :null-allowed t)
+    (check-count :max-waiting-thread-count (taskmaster-max-waiting-thread-count taskmaster) :minimum 1)
     (check-count :max-accept-count (hunchentoot:taskmaster-max-accept-count taskmaster)
                  :minimum 1 :null-allowed t)
     (loop for (initarg seconds) in `((:thread-idle-timeout ,(taskmaster-thread-idle-timeout taskmaster))
@@ -231,11 +270,17 @@ DEADLINE (internal real time) passes.  True when PREDICATE is."
                                 :timeout (seconds-until deadline))
           finally (return t))))
 
+(defun unreleased-resting-count (taskmaster)
+  "Resting workers growth may still release.  POOL-LOCK held."
+  (- (resting-count taskmaster) (released-count taskmaster)))
+
 (defun pool-may-grow-p (taskmaster)
-  "True when one more worker may be asked for.  POOL-LOCK held."
+  "True when one more worker may be asked for: a resting one, or a new
+thread below MAX-THREAD-COUNT.  POOL-LOCK held."
   (let ((max-threads (hunchentoot:taskmaster-max-thread-count taskmaster)))
     (and (not (shutting-down-p taskmaster))
-         (or (null max-threads)
+         (or (plusp (unreleased-resting-count taskmaster))
+             (null max-threads)
              (< (+ (pool-thread-count taskmaster) (pending-thread-count taskmaster))
                 max-threads)))))
 

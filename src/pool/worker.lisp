@@ -6,7 +6,8 @@
 
 (defstruct (worker (:constructor make-worker (taskmaster)))
   "One pooled thread.  STATE is :STARTING (made, not yet waiting), :WAITING
-(in the engine's wait for something to serve), :SERVING (holding a
+(in the engine's wait for something to serve), :RESTING (idle, off the
+engine, while enough others wait there), :SERVING (holding a
 connection outside any request: accepting it, its TLS handshake, reading
 heads, parking it), :IN-REQUEST (from a complete head to the reply sent), or
 :EXITING (counted out of the pool)."
@@ -17,7 +18,17 @@ heads, parking it), :IN-REQUEST (from a complete head to the reply sent), or
   (connection nil)
   ;; Taken to let go of CONNECTION, and by STOP to shut it down.
   (connection-lock (bt:make-lock "worker-connection") :read-only t)
-  (requests-served 0 :type fixnum))
+  (requests-served 0 :type fixnum)
+  ;; When WORKER's current or last request began (MONOTONIC-MICROSECONDS).
+  (request-started 0 :type fixnum)
+  ;; True when WORKER's last request took +LONG-REQUEST-SECONDS+ or more.
+  (last-request-long-p nil))
+
+(defconstant +long-request-seconds+ 1/1000
+  "A request that takes this long waited on something -- a timer, a client,
+a database -- or on busy processors; the worker that served it goes back to
+wait on the engine even when MAX-WAITING-THREAD-COUNT others wait, since
+handlers that wait need workers in circulation.")
 
 (defmethod print-object ((worker worker) stream)
   (print-unreadable-object (worker stream :type t :identity t)
@@ -47,18 +58,83 @@ let go of it: from another thread, the descriptor stays WORKER's open one."
       (when connection
         (funcall function connection)))))
 
-;;; Waiting for something to serve.
+;;; Waiting for something to serve, or resting.
 
-(defun note-waiting (taskmaster worker)
-  "WORKER is about to wait for something to serve.  Its first wait tells
-START that it has begun."
+(defun join-waiting (taskmaster worker)
+  "Count WORKER among the waiting unless MAX-WAITING-THREAD-COUNT already
+wait and its last request was quick.  True when it joined."
+  (let ((gauges (pool-gauges taskmaster))
+        (limit (if (worker-last-request-long-p worker)
+                   most-positive-fixnum
+                   (taskmaster-max-waiting-thread-count taskmaster))))
+    (loop
+      (let ((waiting (pool-gauges-waiting gauges)))
+        (when (>= waiting limit)
+          (return nil))
+        (without-interrupts
+          (when (compare-and-swap (pool-gauges-waiting gauges) waiting (1+ waiting))
+            (setf (worker-state worker) :waiting)
+            (return t)))))))
+
+(defun rest-until-released (taskmaster worker)
+  "Rest WORKER on RESTING-WAKEUP until growth releases it (then it is
+counted waiting: true), the pool stops, or it has rested THREAD-IDLE-TIMEOUT
+seconds while the pool is above standby (then it retires: NIL)."
+  (flet ((rest-deadline () (deadline-in (taskmaster-thread-idle-timeout taskmaster))))
+    (with-pool-lock (taskmaster)
+      (let ((first-wait-p (eq (worker-state worker) :starting)))
+        (without-interrupts
+          (setf (worker-state worker) :resting)
+          (incf (resting-count taskmaster)))
+        (when first-wait-p
+          (notify-pool-changed taskmaster)))
+      (let ((deadline (rest-deadline)))
+        (loop
+          (cond ((shutting-down-p taskmaster)
+                 (without-interrupts
+                   (decf (resting-count taskmaster))
+                   (setf (worker-state worker) :serving))
+                 (return nil))
+                ((plusp (released-count taskmaster))
+                 (without-interrupts
+                   (decf (released-count taskmaster))
+                   (decf (resting-count taskmaster))
+                   (atomic-increment (pool-gauges-waiting (pool-gauges taskmaster)))
+                   (setf (worker-state worker) :waiting))
+                 (return t))
+                ((< (get-internal-real-time) deadline)
+                 (bt:condition-wait (resting-wakeup taskmaster) (pool-lock taskmaster)
+                                    :timeout (seconds-until deadline)))
+                ((> (pool-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster))
+                 ;; No release is pending here: RELEASED-COUNT is zero.
+                 (without-interrupts
+                   (decf (resting-count taskmaster))
+                   (setf (worker-state worker) :exiting)
+                   (decf (pool-thread-count taskmaster))
+                   (incf (threads-retired taskmaster)))
+                 (return nil))
+                (t (setf deadline (rest-deadline)))))))))
+
+(defun begin-waiting (taskmaster worker)
+  "WORKER is about to wait on the engine for something to serve.  When
+MAX-WAITING-THREAD-COUNT workers wait already and its last request was
+quick, it rests first, until growth needs it.  True when WORKER is now
+counted waiting; NIL when it is to end (the pool stops, or it retired while
+resting)."
   (let ((first-wait-p (eq (worker-state worker) :starting)))
-    (without-interrupts
-      (setf (worker-state worker) :waiting)
-      (atomic-increment (pool-gauges-waiting (pool-gauges taskmaster))))
-    (when first-wait-p
-      (with-pool-lock (taskmaster)
-        (notify-pool-changed taskmaster)))))
+    (cond ((join-waiting taskmaster worker)
+           ;; Its first wait tells START that it has begun.
+           (when first-wait-p
+             (with-pool-lock (taskmaster)
+               (notify-pool-changed taskmaster)))
+           t)
+          (t (rest-until-released taskmaster worker)))))
+
+(defun release-resting-worker (taskmaster)
+  "Wake one resting worker to wait on the engine: growth, before it makes a
+thread.  POOL-LOCK held, and an unreleased resting worker there."
+  (incf (released-count taskmaster))
+  (bt:condition-notify (resting-wakeup taskmaster)))
 
 (defun note-woken (taskmaster worker)
   "WORKER left its wait with something to serve.  If it was the last one
@@ -84,11 +160,10 @@ waiting, ask the thread-making thread to weigh another worker
     (setf (worker-state worker) :serving)
     (atomic-decrement (pool-gauges-waiting (pool-gauges taskmaster)))))
 
-(defun note-wait-timed-out (taskmaster worker)
-  "WORKER waited THREAD-IDLE-TIMEOUT seconds for nothing.  True when it is
-surplus and retires now: the pool is above standby and another worker still
-waits (the last waiting worker never retires, since growth starts only when
-a waiting worker is woken)."
+(defun retire-if-surplus (taskmaster worker)
+  "Retire WORKER, waiting, when the pool is above standby and another worker
+still waits (the last waiting worker never retires, since growth starts
+only when a waiting worker is woken).  True when it retired."
   (with-pool-state-change (taskmaster)
     (when (and (not (shutting-down-p taskmaster))
                (> (pool-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster))
@@ -99,13 +174,38 @@ a waiting worker is woken)."
       (incf (threads-retired taskmaster))
       t)))
 
+(defun leave-waiting-if-above-max (taskmaster worker)
+  "Count WORKER out of the waiting when more than MAX-WAITING-THREAD-COUNT
+wait (workers back from long requests, or released, joined past it).  True
+when it left."
+  (let ((gauges (pool-gauges taskmaster))
+        (limit (taskmaster-max-waiting-thread-count taskmaster)))
+    (loop
+      (let ((waiting (pool-gauges-waiting gauges)))
+        (when (<= waiting limit)
+          (return nil))
+        (without-interrupts
+          (when (compare-and-swap (pool-gauges-waiting gauges) waiting (1- waiting))
+            (setf (worker-state worker) :serving)
+            (return t)))))))
+
+(defun note-wait-timed-out (taskmaster worker)
+  "WORKER waited THREAD-IDLE-TIMEOUT seconds for nothing: it retires if it
+is surplus, else it rests if more than MAX-WAITING-THREAD-COUNT wait.  True
+when it is to end; NIL when it is (again) counted waiting."
+  (cond ((retire-if-surplus taskmaster worker) t)
+        ((leave-waiting-if-above-max taskmaster worker)
+         (not (rest-until-released taskmaster worker)))
+        (t nil)))
+
 ;;; Requests.
 
 (defun note-request-started (taskmaster worker)
   "WORKER has a complete request head.  False when the pool is stopping and
 the request is not to be started (STOP sets its flag before it looks for
 requests in flight)."
-  (setf (worker-state worker) :in-request)
+  (setf (worker-state worker) :in-request
+        (worker-request-started worker) (monotonic-microseconds))
   (memory-barrier)
   (if (shutting-down-p taskmaster)
       (progn (setf (worker-state worker) :serving) nil)
@@ -115,7 +215,10 @@ requests in flight)."
   "WORKER is out of its request: ANSWERED, or left by an error."
   (when answered
     (incf (worker-requests-served worker)))
-  (setf (worker-state worker) :serving)
+  (setf (worker-last-request-long-p worker)
+        (>= (- (monotonic-microseconds) (worker-request-started worker))
+            (load-time-value (round (* +long-request-seconds+ 1000000))))
+        (worker-state worker) :serving)
   (memory-barrier)
   (when (shutting-down-p taskmaster)
     ;; A soft STOP waits for the requests in flight.
@@ -136,6 +239,9 @@ counts, and ask for a replacement if the pool fell below standby."
       (:exiting)
       (:waiting
        (atomic-decrement (pool-gauges-waiting (pool-gauges taskmaster)))
+       (decf (pool-thread-count taskmaster)))
+      (:resting
+       (decf (resting-count taskmaster))
        (decf (pool-thread-count taskmaster)))
       (t (decf (pool-thread-count taskmaster))))
     (setf (worker-state worker) :exiting)

@@ -79,6 +79,11 @@ __EPOLL_PACKED), naturally aligned elsewhere.")
 
 (defconstant +s-ifdir+ #o040000)
 
+(defconstant +clock-monotonic+ 1)
+
+(defconstant +sc-nprocessors-onln+ 84
+  "sysconf(3)'s name for the number of processors online (glibc).")
+
 (defun foreign-error (function)
   (error "~A failed: errno ~D" function (sb-alien:get-errno)))
 

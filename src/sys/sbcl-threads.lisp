@@ -40,7 +40,15 @@ does not do by itself."
   `(sb-ext:atomic-decf ,place))
 
 (defmacro compare-and-swap (place old new)
-  "Set PLACE, a structure slot of type T, to NEW if it is EQ to OLD.  True when it was."
+  "Set PLACE, a structure slot of type T or WORD, to NEW if it is EQ to OLD.
+True when it was."
   (let ((old-value (gensym "OLD")))
     `(let ((,old-value ,old))
        (eq ,old-value (sb-ext:compare-and-swap ,place ,old-value ,new)))))
+
+(defun online-processor-count ()
+  "The processors online, as sysconf(3) counts them; 1 if it cannot tell."
+  (let ((count (sb-alien:alien-funcall
+                (sb-alien:extern-alien "sysconf" (function sb-alien:long sb-alien:int))
+                +sc-nprocessors-onln+)))
+    (if (plusp count) count 1)))

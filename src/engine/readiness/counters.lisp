@@ -7,10 +7,10 @@
 (defparameter *duration-bucket-seconds* #(0.0005 0.001 0.0025 0.005 0.01 0.025 0.05 0.1 0.25 0.5 1 2.5 5 10)
   "The upper bounds of the request-duration histogram's buckets, in seconds.")
 
-(defparameter *duration-bucket-units*
-  (map '(simple-array fixnum (*)) (lambda (seconds) (round (* seconds internal-time-units-per-second)))
+(defparameter *duration-bucket-microseconds*
+  (map '(simple-array fixnum (*)) (lambda (seconds) (round (* seconds 1000000)))
        *duration-bucket-seconds*)
-  "The same bounds in internal time units, so that counting a request conses
+  "The same bounds in microseconds, so that counting a request conses
 nothing.")
 
 (defstruct (connection-counters (:constructor make-connection-counters ()))
@@ -57,15 +57,14 @@ keeps it from run to run; each run's set counts into it."
 
 (defun count-answered-request (counters status started)
   "Count a request answered through a handler with STATUS, whose head was
-complete at STARTED (internal real time)."
-  (let* ((units (max 0 (- (get-internal-real-time) started)))
-         (bounds *duration-bucket-units*)
+complete at STARTED (MONOTONIC-MICROSECONDS)."
+  (let* ((microseconds (max 0 (- (monotonic-microseconds) started)))
+         (bounds *duration-bucket-microseconds*)
          (bucket (loop for index of-type fixnum from 0 below (length bounds)
-                       when (<= units (aref bounds index))
+                       when (<= microseconds (aref bounds index))
                          return index
                        finally (return (length bounds)))))
-    (declare (type fixnum units) (type (simple-array fixnum (*)) bounds))
+    (declare (type fixnum microseconds) (type (simple-array fixnum (*)) bounds))
     (count-reply counters status)
     (atomic-increment (aref (connection-counters-duration-counts counters) bucket))
-    (atomic-add (connection-counters-duration-microseconds counters)
-                (floor (* units 1000000) internal-time-units-per-second))))
+    (atomic-add (connection-counters-duration-microseconds counters) microseconds)))

@@ -68,7 +68,8 @@ the header timeout from the accept."
   "Wait on SET until WORKER has something to serve: the token reported, or
 NIL when WORKER is to end (the pool is stopping, or WORKER is surplus)."
   (let ((taskmaster (engine-taskmaster engine)))
-    (note-waiting taskmaster worker)
+    (unless (begin-waiting taskmaster worker)
+      (return-from next-ready-token nil))
     (flet ((idle-deadline ()
              (deadline-in (taskmaster-thread-idle-timeout taskmaster))))
       (let ((idle-deadline (idle-deadline)))

@@ -43,7 +43,7 @@ and a status (a chunked body refused before the reply began)."
         (taskmaster (engine-taskmaster (serving-engine serving)))
         (worker (serving-worker serving))
         (stream (connection-stream connection))
-        (started (get-internal-real-time))
+        (started (monotonic-microseconds))
         (outcome nil)
         (status nil))
     (unless (note-request-started taskmaster worker)

@@ -1,0 +1,13 @@
+;;;; A clock fine enough to time one request.  SBCL's GET-INTERNAL-REAL-TIME
+;;;; reads CLOCK_MONOTONIC_COARSE on Linux, which moves once per kernel
+;;;; tick: on this machine in steps of 4 ms, so that a request of 1 ms reads
+;;;; 0 or 4000 microseconds.  Deadlines of seconds are fine with it;
+;;;; durations of requests are not.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(declaim (inline monotonic-microseconds))
+(defun monotonic-microseconds ()
+  "Microseconds on CLOCK_MONOTONIC, from an unspecified start."
+  (multiple-value-bind (seconds nanoseconds) (sb-unix::clock-gettime +clock-monotonic+)
+    (+ (* seconds 1000000) (floor nanoseconds 1000))))
