@@ -67,14 +67,18 @@ wait and its last request was quick.  True when it joined."
         (limit (if (worker-last-request-long-p worker)
                    most-positive-fixnum
                    (taskmaster-max-waiting-thread-count taskmaster))))
+    ;; Once per request: the count is a fixnum and the exit is outside
+    ;; WITHOUT-INTERRUPTS's body, so that nothing is consed.
     (loop
       (let ((waiting (pool-gauges-waiting gauges)))
+        (declare (type fixnum waiting))
         (when (>= waiting limit)
           (return nil))
-        (without-interrupts
-          (when (compare-and-swap (pool-gauges-waiting gauges) waiting (1+ waiting))
-            (setf (worker-state worker) :waiting)
-            (return t)))))))
+        (when (without-interrupts
+                (when (compare-and-swap (pool-gauges-waiting gauges) waiting (1+ waiting))
+                  (setf (worker-state worker) :waiting)
+                  t))
+          (return t))))))
 
 (defun rest-until-released (taskmaster worker)
   "Rest WORKER on RESTING-WAKEUP until growth releases it (then it is
@@ -182,12 +186,14 @@ when it left."
         (limit (taskmaster-max-waiting-thread-count taskmaster)))
     (loop
       (let ((waiting (pool-gauges-waiting gauges)))
+        (declare (type fixnum waiting))
         (when (<= waiting limit)
           (return nil))
-        (without-interrupts
-          (when (compare-and-swap (pool-gauges-waiting gauges) waiting (1- waiting))
-            (setf (worker-state worker) :serving)
-            (return t)))))))
+        (when (without-interrupts
+                (when (compare-and-swap (pool-gauges-waiting gauges) waiting (1- waiting))
+                  (setf (worker-state worker) :serving)
+                  t))
+          (return t))))))
 
 (defun note-wait-timed-out (taskmaster worker)
   "WORKER waited THREAD-IDLE-TIMEOUT seconds for nothing: it retires if it

@@ -102,20 +102,23 @@ whose value is unsafe (UNSAFE-HEADER-TEXT-P), after taking it out of REPLY
 and marking the headers unsent, so that the 500 the request gets instead
 can be written.  Takes only REPLY, so that a backtrace of the error shows
 no header's value."
+  ;; DOLIST binds ENTRY afresh at each turn, so that a closure over it is
+  ;; made only when a value is refused: over LOOP's variables, which are
+  ;; assigned, every call would cons a cell for each.
   (flet ((refuse (name remove)
            (setf (headers-sent-p) nil)
            (funcall remove)
            (error 'header-value-refused :name name)))
-    (loop for entry in (reply-headers reply)
-          for (name . value) = entry
-          when (and value (not (integerp value)) (unsafe-header-text-p (header-text value)))
-            do (refuse (chunga:as-capitalized-string name)
-                       (lambda () (setf (hunchentoot:header-out name reply) nil))))
-    (loop for entry in (hunchentoot:cookies-out reply)
-          when (unsafe-header-text-p (cookie-header-value (cdr entry)))
-            do (refuse "Set-Cookie"
-                       (lambda () (setf (hunchentoot:cookies-out reply)
-                                        (remove entry (hunchentoot:cookies-out reply))))))))
+    (dolist (entry (reply-headers reply))
+      (let ((value (cdr entry)))
+        (when (and value (not (integerp value)) (unsafe-header-text-p (header-text value)))
+          (refuse (chunga:as-capitalized-string (car entry))
+                  (lambda () (setf (hunchentoot:header-out (car entry) reply) nil))))))
+    (dolist (entry (hunchentoot:cookies-out reply))
+      (when (unsafe-header-text-p (cookie-header-value (cdr entry)))
+        (refuse "Set-Cookie"
+                (lambda () (setf (hunchentoot:cookies-out reply)
+                                 (remove entry (hunchentoot:cookies-out reply)))))))))
 
 ;;; Status lines.
 

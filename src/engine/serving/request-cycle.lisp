@@ -68,12 +68,13 @@ and a status (a chunked body refused before the reply began)."
              (let ((reply (make-reply (serving-constructors serving))))
                (let ((hunchentoot:*reply* reply)
                      (hunchentoot:*session* nil))
-                 (call-with-request-counted
-                  acceptor
-                  (lambda ()
-                    (hunchentoot:process-request
-                     (make-request (serving-constructors serving) acceptor head
-                                   (connection-addresses connection) content-stream)))))
+                 (flet ((process-request ()
+                          (hunchentoot:process-request
+                           (make-request (serving-constructors serving) acceptor head
+                                         (connection-addresses connection) content-stream))))
+                   ;; On the stack: a closure made for every request.
+                   (declare (dynamic-extent #'process-request))
+                   (call-with-request-counted acceptor #'process-request)))
                (finish-output (current-connection-stream))
                (setf (current-connection-stream)
                      (hunchentoot:reset-connection-stream acceptor (current-connection-stream)))
