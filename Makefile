@@ -11,6 +11,7 @@
 # make bench-scale         1, 2 and one-per-core processes on one port, and behind nginx
 # make bench-chunked-body  server CPU per MB of a request body sent in one-octet chunks, ours and Hunchentoot's
 # make bench-sessions    a handler reading and writing a session value, sessions in the process and in PostgreSQL
+# make bench-https       GET /yo over TLS, kept alive and a new TLS connection per request, ours, Hunchentoot's and nginx
 # Each target installs the Debian packages it needs first (make deps).
 
 PORT ?= 4242
@@ -30,7 +31,7 @@ BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox pr
                  libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \
                  cl-trivial-gray-streams cl-alexandria cl-global-vars cl-trivial-garbage
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-https
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -85,3 +86,6 @@ bench-chunked-body: bench-deps
 
 bench-sessions: bench-deps
 	bench/run sessions
+
+bench-https: bench-deps
+	bench/run https

@@ -148,6 +148,7 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "driver")
                (:file "connections")
                (:file "slow-clients")
+               (:file "https")
                (:file "profile")
                (:file "scale")
                (:file "chunked-body")

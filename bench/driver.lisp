@@ -186,13 +186,13 @@ to SERVE (ours only)."
 
 ;;; wrk.
 
-(defun wrk (port workload seconds)
-  "Run wrk on 127.0.0.1:PORT for WORKLOAD's path for SECONDS; its whole output."
+(defun wrk (port workload seconds &key (scheme "http"))
+  "Run wrk on SCHEME://127.0.0.1:PORT for WORKLOAD's path for SECONDS; its whole output."
   (destructuring-bind (&key close connections &allow-other-keys) workload
     (uiop:run-program (append (list "wrk" "-t2" (format nil "-c~D" connections)
                                     (format nil "-d~Ds" seconds) "--latency")
                               (when close (list "-H" "Connection: close"))
-                              (list (format nil "http://127.0.0.1:~D~A" port (workload-path workload))))
+                              (list (format nil "~A://127.0.0.1:~D~A" scheme port (workload-path workload))))
                       :output :string :error-output :output :ignore-error-status t)))
 
 (defun latency-ms (text percentile)

@@ -11,7 +11,7 @@
   (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster))
   (:export #:serve #:run-benchmarks #:run-comparison #:run-connection-load #:run-slow-readers-load #:run-slow-bodies-load
            #:run-tls-handshakes-load
-           #:run-profile #:run-scale #:run-chunked-body-cost #:run-sessions))
+           #:run-profile #:run-scale #:run-chunked-body-cost #:run-sessions #:run-https))
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
@@ -133,14 +133,15 @@ Hunchentoot's folder dispatcher, ours, or AllegroServe's directory."
 (defun serve (kind port &key (delay-ms 0) reuse-port static-folder ssl-port ssl-certificate ssl-key)
   "Start the server KIND on 127.0.0.1:PORT (with SO_REUSEPORT when
 REUSE-PORT, ours only), serving STATIC-FOLDER under /static/ when given,
-and serve until killed.  With SSL-PORT, ours also serves TLS there with the
-SSL-CERTIFICATE and SSL-KEY files, and /pool-stats describes that acceptor."
+and serve until killed.  With SSL-PORT, the server (ours or Hunchentoot's)
+also serves TLS there with the SSL-CERTIFICATE and SSL-KEY files, and
+/pool-stats describes that acceptor."
   (setf *handler-delay* (and (plusp delay-ms) (/ delay-ms 1000)))
   (when static-folder
     (serve-static-folder kind static-folder))
   (start-server kind port :reuse-port reuse-port)
   (when ssl-port
-    (start-hunchentoot ssl-port 'hrt:parallel-easy-ssl-acceptor
+    (start-hunchentoot ssl-port (if (eq kind :hunchentoot) 'ht:easy-ssl-acceptor 'hrt:parallel-easy-ssl-acceptor)
                        :ssl-certificate-file ssl-certificate :ssl-privatekey-file ssl-key))
   (bt:make-thread #'sample-thread-count-forever :name "bench thread-count sampler")
   (loop (sleep 3600)))

@@ -185,3 +185,29 @@ SECOND-PATH on a new connection."
         (is (equal '(200 200 200) (https-get-twice server "/test/leave-openssl-error" "/test/yo"))
             "round ~D: the next request on the connection, and a new connection: ~S"
             round (https-get-twice server "/test/leave-openssl-error" "/test/yo"))))))
+
+(defun openssl-client-output (server &rest arguments)
+  "What `openssl s_client` printed connecting to SERVER with ARGUMENTS,
+having sent one GET /test/yo that closes the connection."
+  (uiop:run-program (append (list "timeout" "20" "openssl" "s_client" "-connect"
+                                  (format nil "127.0.0.1:~D" (ht:acceptor-port server)) "-ign_eof")
+                            arguments)
+                    :input (make-string-input-stream
+                            (crlf-lines "GET /test/yo HTTP/1.1" "Host: localhost" "Connection: close" ""))
+                    :output :string :error-output :output :ignore-error-status t))
+
+(test tls-handshake.sessions-are-resumed
+  ;; A client that comes back with its session skips the key exchange, as
+  ;; with nginx: a ticket (TLS 1.3), a ticket or the session cache (1.2).
+  (with-thread-leak-check ()
+    (with-server (server (tls-server))
+      (uiop:with-temporary-file (:pathname session)
+        (let ((first (openssl-client-output server "-tls1_3" "-sess_out" (namestring session)))
+              (second (openssl-client-output server "-tls1_3" "-sess_in" (namestring session))))
+          (is (search "New, TLSv1.3" first) "first connection: ~A" first)
+          (is (search "Hey!" first))
+          (is (search "Reused, TLSv1.3" second) "second connection: ~A" second)
+          (is (search "Hey!" second))))
+      (let ((output (openssl-client-output server "-tls1_2" "-reconnect")))
+        (is (search "New, TLSv1.2" output) "~A" output)
+        (is (<= 5 (length (cl-ppcre:all-matches-as-strings "Reused, TLSv1.2" output))) "~A" output)))))
