@@ -159,6 +159,7 @@ below zero."
           (pool-thread-count taskmaster) 0
           (pending-thread-count taskmaster) 0
           (growth-asked-p taskmaster) nil
+          (resting-count taskmaster) 0
           (released-count taskmaster) 0
           (pool-gauges-waiting (pool-gauges taskmaster)) 0)
     (notify-pool-changed taskmaster)))

@@ -218,18 +218,20 @@ requests in flight)."
       t))
 
 (defun note-request-finished (taskmaster worker &key answered)
-  "WORKER is out of its request: ANSWERED, or left by an error."
+  "WORKER is out of its request: ANSWERED, or left by an error.  The
+microseconds the request took."
   (when answered
     (incf (worker-requests-served worker)))
-  (setf (worker-last-request-long-p worker)
-        (>= (- (monotonic-microseconds) (worker-request-started worker))
-            (load-time-value (round (* +long-request-seconds+ 1000000))))
-        (worker-state worker) :serving)
-  (memory-barrier)
-  (when (shutting-down-p taskmaster)
-    ;; A soft STOP waits for the requests in flight.
-    (with-pool-lock (taskmaster)
-      (notify-pool-changed taskmaster))))
+  (let ((microseconds (max 0 (- (monotonic-microseconds) (worker-request-started worker)))))
+    (setf (worker-last-request-long-p worker)
+          (>= microseconds (load-time-value (round (* +long-request-seconds+ 1000000))))
+          (worker-state worker) :serving)
+    (memory-barrier)
+    (when (shutting-down-p taskmaster)
+      ;; A soft STOP waits for the requests in flight.
+      (with-pool-lock (taskmaster)
+        (notify-pool-changed taskmaster)))
+    microseconds))
 
 (defun in-request-count (taskmaster)
   "Workers inside a request, from its head read to its reply sent.  POOL-LOCK held."

@@ -55,11 +55,10 @@ keeps it from run to run; each run's set counts into it."
     (when index
       (atomic-increment (aref (connection-counters-refused-heads counters) index)))))
 
-(defun count-answered-request (counters status started)
-  "Count a request answered through a handler with STATUS, whose head was
-complete at STARTED (MONOTONIC-MICROSECONDS)."
-  (let* ((microseconds (max 0 (- (monotonic-microseconds) started)))
-         (bounds *duration-bucket-microseconds*)
+(defun count-answered-request (counters status microseconds)
+  "Count a request answered through a handler with STATUS, which took
+MICROSECONDS from its complete head to its reply sent."
+  (let* ((bounds *duration-bucket-microseconds*)
          (bucket (loop for index of-type fixnum from 0 below (length bounds)
                        when (<= microseconds (aref bounds index))
                          return index

@@ -43,7 +43,7 @@ and a status (a chunked body refused before the reply began)."
         (taskmaster (engine-taskmaster (serving-engine serving)))
         (worker (serving-worker serving))
         (stream (connection-stream connection))
-        (started (monotonic-microseconds))
+        (microseconds 0)
         (outcome nil)
         (status nil))
     (unless (note-request-started taskmaster worker)
@@ -84,9 +84,9 @@ and a status (a chunked body refused before the reply began)."
                                    (t :next))))))
       (setf (serving-reply-connection serving) nil)
       ;; Also when the request failed: a soft STOP waits for it.
-      (note-request-finished taskmaster worker :answered (and outcome t)))
+      (setf microseconds (note-request-finished taskmaster worker :answered (and outcome t))))
     (setf (connection-answered-p connection) t)
-    (count-answered-request (readiness-set-counters (serving-set serving)) status started)
+    (count-answered-request (readiness-set-counters (serving-set serving)) status microseconds)
     outcome))
 
 ;;; A request whose body arrives after its head.
