@@ -81,12 +81,10 @@ same octets for every server.  Its native name, ending with a slash."
   "Debian's nginx echo module (libnginx-mod-http-echo), whose echo_sleep
 makes the 1 ms workloads' handler wait as the Lisp servers' does.")
 
-(defun nginx-config (directory port &key upstream-ports (delay-ms 0))
-  "nginx.conf for 2 workers on PORT, its files in DIRECTORY: answering /yo
-itself (after an echo_sleep of DELAY-MS when it is not 0), or, given
-UPSTREAM-PORTS, proxying to them as README's configuration does (kept-alive
-upstream connections, closed before our keep-alive timeout)."
-  (format nil "~:[~*~;load_module ~A;~%~]worker_processes 2;
+(defun nginx-config-opening (directory)
+  "The start of every nginx.conf of the bench: 2 workers, no access log,
+its files in DIRECTORY, up to the servers of its http block."
+  (format nil "worker_processes 2;
 daemon off;
 master_process on;
 pid ~Anginx.pid;
@@ -100,7 +98,14 @@ http {
   fastcgi_temp_path ~A;
   uwsgi_temp_path ~A;
   scgi_temp_path ~A;
-~:[  server {
+" directory directory directory directory directory directory directory))
+
+(defun nginx-config (directory port &key upstream-ports (delay-ms 0))
+  "nginx.conf for 2 workers on PORT, its files in DIRECTORY: answering /yo
+itself (after an echo_sleep of DELAY-MS when it is not 0), or, given
+UPSTREAM-PORTS, proxying to them as README's configuration does (kept-alive
+upstream connections, closed before our keep-alive timeout)."
+  (format nil "~:[~*~;load_module ~A;~%~]~A~:[  server {
     listen 127.0.0.1:~D;
     location /yo { default_type text/plain; ~:[return 200 \"Hey!\";~;~:*echo_sleep ~A; echo -n \"Hey!\";~] }
 ~@[    location /static/ { alias ~A; sendfile on; }~%~]  }~;  upstream lisp {
@@ -116,22 +121,28 @@ http {
     }
   }~]
 }
-" (plusp delay-ms) *nginx-echo-module*
-          directory directory directory directory directory directory directory
+" (plusp delay-ms) *nginx-echo-module* (nginx-config-opening directory)
           upstream-ports (or upstream-ports port)
           (if upstream-ports port (and (plusp delay-ms) (format nil "~,3F" (/ delay-ms 1000))))
           (if upstream-ports port *static-folder*)))
 
-(defun launch-nginx (port &key upstream-ports (log-file nil) (delay-ms 0))
-  "Start nginx on PORT (see NGINX-CONFIG) in a directory of its own; its process-info."
+(defun launch-nginx-with (make-config log-file)
+  "Start nginx in a directory of its own with the configuration MAKE-CONFIG
+returns given that directory's name; its process-info."
   (let* ((directory (format nil "~A/" (string-right-trim
                                       '(#\Newline)
                                       (uiop:run-program '("mktemp" "-d") :output :string))))
          (config (concatenate 'string directory "nginx.conf")))
     (with-open-file (out config :direction :output)
-      (write-string (nginx-config directory port :upstream-ports upstream-ports :delay-ms delay-ms) out))
+      (write-string (funcall make-config directory) out))
     (uiop:launch-program (list "nginx" "-c" config "-p" directory "-e" (concatenate 'string directory "error.log"))
                          :output log-file :error-output :output :if-output-exists :supersede)))
+
+(defun launch-nginx (port &key upstream-ports (log-file nil) (delay-ms 0))
+  "Start nginx on PORT (see NGINX-CONFIG); its process-info."
+  (launch-nginx-with (lambda (directory)
+                       (nginx-config directory port :upstream-ports upstream-ports :delay-ms delay-ms))
+                     log-file))
 
 (defun launch-server (server port delay-ms core log-file &key ssl-port ssl-certificate ssl-key)
   "Start SERVER in a process of its own, from its own :CORE if it has one,

@@ -21,21 +21,7 @@
 and KEY, its files in DIRECTORY.  TLS 1.3 as well as 1.2, as nginx offers
 from 1.23.4 (bookworm's 1.22 offers 1.2 at most by default) and as ours
 does: the same handshake for both; session tickets on, nginx's default."
-  (format nil "worker_processes 2;
-daemon off;
-master_process on;
-pid ~Anginx.pid;
-error_log ~Aerror.log;
-events { worker_connections 8192; }
-http {
-  access_log off;
-  keepalive_requests 1000000;
-  client_body_temp_path ~A;
-  proxy_temp_path ~A;
-  fastcgi_temp_path ~A;
-  uwsgi_temp_path ~A;
-  scgi_temp_path ~A;
-  server {
+  (format nil "~A  server {
     listen 127.0.0.1:~D ssl;
     ssl_certificate ~A;
     ssl_certificate_key ~A;
@@ -43,21 +29,13 @@ http {
     location /yo { default_type text/plain; return 200 \"Hey!\"; }
   }
 }
-" directory directory directory directory directory directory directory port
-          (namestring certificate) (namestring key)))
+" (nginx-config-opening directory) port (namestring certificate) (namestring key)))
 
 (defun launch-https-server (server port certificate key core log-file)
   "Start SERVER answering /yo over TLS on PORT; its process-info.  A Lisp
 server also listens in plain HTTP on another port, as SERVE does."
   (if (getf server :nginx)
-      (let* ((directory (format nil "~A/" (string-right-trim
-                                          '(#\Newline)
-                                          (uiop:run-program '("mktemp" "-d") :output :string))))
-             (config (concatenate 'string directory "nginx.conf")))
-        (with-open-file (out config :direction :output)
-          (write-string (nginx-https-config directory port certificate key) out))
-        (uiop:launch-program (list "nginx" "-c" config "-p" directory "-e" (concatenate 'string directory "error.log"))
-                             :output log-file :error-output :output :if-output-exists :supersede))
+      (launch-nginx-with (lambda (directory) (nginx-https-config directory port certificate key)) log-file)
       (launch-server server (free-port) 0 core log-file
                      :ssl-port port :ssl-certificate certificate :ssl-key key)))
 
