@@ -60,25 +60,40 @@ let go of it: from another thread, the descriptor stays WORKER's open one."
 
 ;;; Waiting for something to serve, or resting.
 
-(defun join-waiting (taskmaster worker)
-  "Count WORKER among the waiting unless MAX-WAITING-THREAD-COUNT already
-wait and its last request was quick.  True when it joined."
-  (let ((gauges (pool-gauges taskmaster))
-        (limit (if (worker-last-request-long-p worker)
-                   most-positive-fixnum
-                   (taskmaster-max-waiting-thread-count taskmaster))))
+(defun step-waiting-count (taskmaster worker step limit state)
+  "Add STEP (1 or -1) to the count of waiting workers if that keeps it on
+LIMIT's side -- at most LIMIT when joining, at least when leaving -- and set
+WORKER's STATE with it.  True when it did."
+  (let ((gauges (pool-gauges taskmaster)))
+    (declare (type fixnum step limit))
     ;; Once per request: the count is a fixnum and the exit is outside
     ;; WITHOUT-INTERRUPTS's body, so that nothing is consed.
     (loop
       (let ((waiting (pool-gauges-waiting gauges)))
         (declare (type fixnum waiting))
-        (when (>= waiting limit)
+        (unless (if (plusp step) (< waiting limit) (> waiting limit))
           (return nil))
         (when (without-interrupts
-                (when (compare-and-swap (pool-gauges-waiting gauges) waiting (1+ waiting))
-                  (setf (worker-state worker) :waiting)
+                (when (compare-and-swap (pool-gauges-waiting gauges) waiting (+ waiting step))
+                  (setf (worker-state worker) state)
                   t))
           (return t))))))
+
+(defun join-waiting (taskmaster worker)
+  "Count WORKER among the waiting unless MAX-WAITING-THREAD-COUNT already
+wait and its last request was quick.  True when it joined."
+  (step-waiting-count taskmaster worker 1
+                      (if (worker-last-request-long-p worker)
+                          most-positive-fixnum
+                          (taskmaster-max-waiting-thread-count taskmaster))
+                      :waiting))
+
+(defun count-out-retiring (taskmaster worker)
+  "WORKER retires as surplus: out of the pool's count.  POOL-LOCK held,
+interrupts deferred, and WORKER counted neither waiting nor resting."
+  (setf (worker-state worker) :exiting)
+  (decf (pool-thread-count taskmaster))
+  (incf (threads-retired taskmaster)))
 
 (defun rest-until-released (taskmaster worker)
   "Rest WORKER on RESTING-WAKEUP until growth releases it (then it is
@@ -113,9 +128,7 @@ seconds while the pool is above standby (then it retires: NIL)."
                  ;; No release is pending here: RELEASED-COUNT is zero.
                  (without-interrupts
                    (decf (resting-count taskmaster))
-                   (setf (worker-state worker) :exiting)
-                   (decf (pool-thread-count taskmaster))
-                   (incf (threads-retired taskmaster)))
+                   (count-out-retiring taskmaster worker))
                  (return nil))
                 (t (setf deadline (rest-deadline)))))))))
 
@@ -173,27 +186,14 @@ only when a waiting worker is woken).  True when it retired."
                (> (pool-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster))
                (> (waiting-worker-count taskmaster) 1))
       (atomic-decrement (pool-gauges-waiting (pool-gauges taskmaster)))
-      (setf (worker-state worker) :exiting)
-      (decf (pool-thread-count taskmaster))
-      (incf (threads-retired taskmaster))
+      (count-out-retiring taskmaster worker)
       t)))
 
 (defun leave-waiting-if-above-max (taskmaster worker)
   "Count WORKER out of the waiting when more than MAX-WAITING-THREAD-COUNT
 wait (workers back from long requests, or released, joined past it).  True
 when it left."
-  (let ((gauges (pool-gauges taskmaster))
-        (limit (taskmaster-max-waiting-thread-count taskmaster)))
-    (loop
-      (let ((waiting (pool-gauges-waiting gauges)))
-        (declare (type fixnum waiting))
-        (when (<= waiting limit)
-          (return nil))
-        (when (without-interrupts
-                (when (compare-and-swap (pool-gauges-waiting gauges) waiting (1- waiting))
-                  (setf (worker-state worker) :serving)
-                  t))
-          (return t))))))
+  (step-waiting-count taskmaster worker -1 (taskmaster-max-waiting-thread-count taskmaster) :serving))
 
 (defun note-wait-timed-out (taskmaster worker)
   "WORKER waited THREAD-IDLE-TIMEOUT seconds for nothing: it retires if it
