@@ -173,18 +173,19 @@ to SERVE (ours only)."
     (uiop:terminate-process process :urgent t))
   (uiop:wait-process process))
 
-(defun http-get (port path)
-  "The body of GET PATH, or NIL when the server does not answer 200."
+(defun http-get (port path &key (scheme "http"))
+  "The body of GET PATH, or NIL when the server does not answer 200.  Over
+https, the bench's self-signed certificate is taken as it is."
   (multiple-value-bind (body error-output status)
-      (uiop:run-program (list "curl" "-s" "-f" "--max-time" "5"
-                              (format nil "http://127.0.0.1:~D~A" port path))
+      (uiop:run-program (list "curl" "-s" "-f" "-k" "--max-time" "5"
+                              (format nil "~A://127.0.0.1:~D~A" scheme port path))
                         :output :string :ignore-error-status t)
     (declare (ignore error-output))
     (and (zerop status) body)))
 
-(defun wait-until-serving (port)
+(defun wait-until-serving (port &key (scheme "http"))
   (loop repeat 300
-        thereis (equal "Hey!" (http-get port "/yo"))
+        thereis (equal "Hey!" (http-get port "/yo" :scheme scheme))
         do (sleep 0.1)))
 
 (defun lisp-counters (port reset)

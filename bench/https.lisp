@@ -39,16 +39,6 @@ server also listens in plain HTTP on another port, as SERVE does."
       (launch-server server (free-port) 0 core log-file
                      :ssl-port port :ssl-certificate certificate :ssl-key key)))
 
-(defun wait-until-serving-https (port)
-  (loop repeat 300
-        thereis (multiple-value-bind (body error-output status)
-                    (uiop:run-program (list "curl" "-s" "-k" "-f" "--max-time" "5"
-                                            (format nil "https://127.0.0.1:~D/yo" port))
-                                      :output :string :ignore-error-status t)
-                  (declare (ignore error-output))
-                  (and (zerop status) (equal body "Hey!")))
-        do (sleep 0.1)))
-
 (defun measure-https-cell (server workload seconds certificate key core directory round)
   "Start SERVER, warm it, measure WORKLOAD over TLS for SECONDS, stop it.  A plist."
   (let* ((port (free-port))
@@ -57,7 +47,7 @@ server also listens in plain HTTP on another port, as SERVE does."
          (process (launch-https-server server port certificate key core
                                        (concatenate 'string base ".server.log"))))
     (unwind-protect
-         (if (wait-until-serving-https port)
+         (if (wait-until-serving port :scheme "https")
              (progn (wrk port workload 1 :scheme "https")
                     (parse-wrk (wrk port workload seconds :scheme "https")))
              (list :failed "server did not answer GET /yo over TLS within 30 s"))
