@@ -19,13 +19,13 @@ HUNCHENTOOT ?=
 REV ?= HEAD~1
 SBCL = sbcl --noinform --non-interactive --disable-debugger
 LIBRARY_PACKAGES = sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-flexi-streams \
-                   cl-chunga cl-ppcre cl-plus-ssl cl-cffi cl-postmodern
+                   cl-chunga cl-ppcre cl-plus-ssl cl-cffi cl-postmodern cl-ironclad cl-base64
 # The test suite's, and what the compatibility suite's libraries (and the
 # Hunchentoot releases HUNCHENTOOT may name) need from Debian.
 TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd postgresql nginx-light \
                 cl-alexandria cl-base64 cl-md5 cl-rfc2388 cl-trivial-backtrace cl-fad \
                 cl-puri cl-iterate cl-split-sequence cl-trivial-utf-8 cl-global-vars \
-                cl-trivial-garbage cl-trivial-features
+                cl-trivial-garbage cl-trivial-features chromium
 # Woo, a benchmark peer built from ../shared/vendor, needs libev4 and these.
 BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox procps curl openssl postgresql strace \
                  libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \

@@ -7,7 +7,8 @@ bytes, with acceptors that use it by default."
   :license "BSD-2-Clause"
   :version "0.1.0"
   :depends-on ("hunchentoot" "usocket" "bordeaux-threads" "chunga" "trivial-gray-streams"
-               "cl-ppcre" "flexi-streams" "cl+ssl" "cffi" (:feature :sbcl "sb-bsd-sockets"))
+               "cl-ppcre" "flexi-streams" "cl+ssl" "cffi"
+               "ironclad/digest/sha1" "cl-base64" (:feature :sbcl "sb-bsd-sockets"))
   :pathname "src/"
   :serial t
   ;; In dependency order: each file uses only what the files before it define.
@@ -29,6 +30,7 @@ bytes, with acceptors that use it by default."
                (:module "sessions" :serial t :components ((:file "session-values")
                                                 (:file "session-store")))
                (:file "acceptor")
+               (:file "websocket-resources")
                (:file "engine/protocol")
                (:module "pool" :serial t :components ((:file "taskmaster")
                                             (:file "worker")
@@ -43,12 +45,16 @@ bytes, with acceptors that use it by default."
                                                    (:file "chunked-body")
                                                    (:file "request-object")
                                                    (:file "reply-head")))
+               (:module "engine/websocket" :serial t :components ((:file "utf-8")
+                                                        (:file "frames")
+                                                        (:file "handshake")))
                (:module "engine/readiness" :serial t :components ((:file "connection")
                                                         (:file "connection-socket")
                                                         (:file "arrived-octets")
                                                         (:file "counters")
                                                         (:file "readiness-set")
                                                         (:file "outgoing")
+                                                        (:file "websocket-connection")
                                                         (:file "arriving-body")
                                                         (:file "tls-handshake")
                                                         (:file "closing")
@@ -61,8 +67,10 @@ bytes, with acceptors that use it by default."
                                                       (:file "body-streams")
                                                       (:file "reply")
                                                       (:file "request-cycle")
+                                                      (:file "websocket-turn")
                                                       (:file "connections")
                                                       (:file "engine-protocol")))
+               (:file "websocket-sending")
                (:file "acceptor-sessions")
                (:file "static-files")
                (:file "metrics"))
@@ -120,6 +128,9 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (:file "session-values")
                (:file "sessions")
                (:file "postgresql-sessions")
+               (:file "websocket-frames")
+               (:file "websockets")
+               (:file "browser")
                (:file "house"))
   :perform (test-op (o c)
              (unless (symbol-call :hunchentoot-recycling-taskmaster-test :run-tests)

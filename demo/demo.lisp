@@ -35,6 +35,33 @@
           (setf (hunchentoot:session-value 'count) (1+ (or (hunchentoot:session-value 'count) 0)))
           (sb-posix:getpid)))
 
+;;; Websockets: /ws/echo answers each message to its sender, /ws/chat sends
+;;; each text message to every client; /chat.html uses it from a browser.
+
+(defclass echo-resource (hunchentoot-recycling-websocket:websocket-resource) ())
+
+(defmethod hunchentoot-recycling-websocket:text-message-received ((resource echo-resource) client message)
+  (hunchentoot-recycling-websocket:send-text-message client message))
+
+(defmethod hunchentoot-recycling-websocket:binary-message-received ((resource echo-resource) client octets)
+  (hunchentoot-recycling-websocket:send-binary-message client octets))
+
+(defclass chat-resource (hunchentoot-recycling-websocket:websocket-resource) ())
+
+(defmethod hunchentoot-recycling-websocket:text-message-received ((resource chat-resource) client message)
+  (declare (ignore client))
+  (dolist (peer (hunchentoot-recycling-websocket:clients resource))
+    (hunchentoot-recycling-websocket:send-text-message peer message)))
+
+(defvar *websocket-resources*
+  (list (cons "/ws/echo" (make-instance 'echo-resource))
+        (cons "/ws/chat" (make-instance 'chat-resource))))
+
+(defun find-websocket-resource (request)
+  (cdr (assoc (hunchentoot:script-name request) *websocket-resources* :test #'string=)))
+
+(pushnew 'find-websocket-resource hunchentoot-recycling-websocket:*websocket-dispatch-table*)
+
 (defun static-directory ()
   (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster" "demo/static/"))
 
@@ -77,7 +104,8 @@ so that several demos share the port."
                                   :document-root (static-directory))))
     (hunchentoot:start acceptor)
     (format t "~&Serving ~:[http://~A:~D/~;~*the socket systemd passed, port ~D~] ~
-               (try /yo, /hello?name=you, /slow?ms=500, /count, /stats, /metrics, /index.html), ~
+               (try /yo, /hello?name=you, /slow?ms=500, /count, /stats, /metrics, /index.html, ~
+               /chat.html), ~
                sessions ~:[in this process~;in ~:*~A~]. Ctrl-C stops.~%"
             listen-fd address (hunchentoot:acceptor-port acceptor) store)
     (finish-output)

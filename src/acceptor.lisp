@@ -39,6 +39,22 @@ limit; a larger one gets 413."))
   (:documentation "The largest header block ACCEPTOR answers; a larger one
 gets 431."))
 
+(defgeneric acceptor-max-websocket-message-bytes (acceptor)
+  (:documentation "The largest websocket message ACCEPTOR takes, in octets;
+a client sending a larger one is closed with 1009."))
+
+(defgeneric acceptor-max-websocket-queue-bytes (acceptor)
+  (:documentation "The octets sent to one websocket client that ACCEPTOR
+keeps while its socket takes none; a client past them is closed with 1008."))
+
+(defgeneric acceptor-websocket-ping-interval (acceptor)
+  (:documentation "Seconds of silence from a websocket client after which
+ACCEPTOR pings it."))
+
+(defgeneric acceptor-websocket-timeout (acceptor)
+  (:documentation "Seconds a websocket client may send nothing, pongs
+included, before ACCEPTOR closes it with 1001."))
+
 (defgeneric acceptor-session-store (acceptor)
   (:documentation "The SESSION-STORE keeping ACCEPTOR's sessions, or NIL when
 they are Hunchentoot's own, in the process."))
@@ -113,6 +129,28 @@ connection is closed after the 413.")
     :documentation "The largest header block (the lines after the request
 line) answered; a larger one gets 431.  A request line over 8 KiB gets 414,
 more than 100 header lines 431.")
+   (max-websocket-message-bytes
+    :initarg :max-websocket-message-bytes :reader acceptor-max-websocket-message-bytes
+    :documentation "The largest websocket message taken, in octets, its
+fragments together; a client sending a larger one is closed with 1009
+(Message Too Big) as soon as a frame head announces it.")
+   (max-websocket-queue-bytes
+    :initarg :max-websocket-queue-bytes :reader acceptor-max-websocket-queue-bytes
+    :documentation "The octets sent to one websocket client that wait for
+its socket to take them; a send past them closes the client with 1008
+(Policy Violation) instead of waiting, so that a client that does not read
+never holds up a broadcast to the others.  A client that takes none of what
+waits for HUNCHENTOOT:ACCEPTOR-WRITE-TIMEOUT is closed the same way.")
+   (websocket-ping-interval
+    :initarg :websocket-ping-interval :reader acceptor-websocket-ping-interval
+    :documentation "Seconds a websocket client may be silent before the
+server pings it, so that a client gone without a word is found, and
+proxies keep an idle websocket open.")
+   (websocket-timeout
+    :initarg :websocket-timeout :reader acceptor-websocket-timeout
+    :documentation "Seconds a websocket client may send nothing, not even
+the pong to a ping, before it is closed with 1001 (Going Away).  A client
+that answers pings stays open however long it is idle.")
    (session-store
     :initarg :session-store :reader acceptor-session-store
     :documentation "Where the sessions of Hunchentoot's session API are kept:
@@ -137,6 +175,10 @@ not give in time is answered 503 when its handler uses the session."))
    :body-buffer-bytes 65536
    :max-body-bytes (* 64 1024 1024)
    :max-header-bytes 16384
+   :max-websocket-message-bytes (* 1024 1024)
+   :max-websocket-queue-bytes (* 1024 1024)
+   :websocket-ping-interval 30
+   :websocket-timeout 75
    :session-store nil
    :session-store-timeout 2
    :listen-backlog 511)
@@ -158,7 +200,9 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
   (loop for (initarg seconds) in `((:header-timeout ,(acceptor-header-timeout acceptor))
                                    (:keep-alive-timeout ,(acceptor-keep-alive-timeout acceptor))
                                    (:queue-timeout ,(acceptor-queue-timeout acceptor))
-                                   (:session-store-timeout ,(acceptor-session-store-timeout acceptor)))
+                                   (:session-store-timeout ,(acceptor-session-store-timeout acceptor))
+                                   (:websocket-ping-interval ,(acceptor-websocket-ping-interval acceptor))
+                                   (:websocket-timeout ,(acceptor-websocket-timeout acceptor)))
         unless (and (realp seconds) (plusp seconds))
           do (error 'invalid-acceptor-configuration
                     :initarg initarg :value seconds
@@ -191,6 +235,12 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
       (error 'invalid-acceptor-configuration
              :initarg :max-header-bytes :value bytes
              :reason "must be an integer from 1024 to 1048576")))
+  (loop for (initarg bytes) in `((:max-websocket-message-bytes ,(acceptor-max-websocket-message-bytes acceptor))
+                                 (:max-websocket-queue-bytes ,(acceptor-max-websocket-queue-bytes acceptor)))
+        unless (and (integerp bytes) (plusp bytes))
+          do (error 'invalid-acceptor-configuration
+                    :initarg initarg :value bytes
+                    :reason "must be a positive integer"))
   (let ((store (acceptor-session-store acceptor)))
     (unless (typep store '(or null session-store))
       (error 'invalid-acceptor-configuration

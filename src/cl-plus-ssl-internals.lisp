@@ -84,3 +84,36 @@ open."
   (let ((handle (shiftf (cl+ssl::ssl-stream-handle stream) nil)))
     (when handle
       (cl+ssl::ssl-free handle))))
+
+(defconstant +ssl-ctrl-mode+ 33)
+
+(defconstant +ssl-mode-partial-writes+ (logior 1 2)
+  "SSL_MODE_ENABLE_PARTIAL_WRITE: SSL_write returns once some records went;
+SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER: a write retried after WANT_WRITE may
+pass the same octets at another address (the garbage collector moves
+vectors).")
+
+(defun send-tls-octets (stream octets start end)
+  "Write the OCTETS from START below END through the TLS STREAM (flushed of
+what its buffer held) without waiting on its non-blocking socket.  The
+count of octets taken, :WOULD-BLOCK when the socket has no room, or :ERROR
+(the client has gone, or TLS failed)."
+  (declare (type (simple-array (unsigned-byte 8) (*)) octets) (type fixnum start end))
+  (let ((handle (cl+ssl::ssl-stream-handle stream)))
+    (if (null handle)
+        :error
+        (handler-case
+            (progn
+              (forget-tls-errors)
+              (cl+ssl::ssl-ctrl handle +ssl-ctrl-mode+ +ssl-mode-partial-writes+ (cffi:null-pointer))
+              (let ((result (cffi:with-pointer-to-vector-data (pointer octets)
+                              (let ((cl+ssl::*socket* (cl+ssl::ssl-stream-socket stream)))
+                                (cl+ssl::ssl-write handle (cffi:inc-pointer pointer start) (- end start))))))
+                (if (plusp result)
+                    result
+                    (let ((error-code (cl+ssl::ssl-get-error handle result)))
+                      (if (or (eql error-code cl+ssl::+ssl-error-want-write+)
+                              (eql error-code cl+ssl::+ssl-error-want-read+))
+                          :would-block
+                          :error)))))
+          (error () :error)))))

@@ -1,5 +1,34 @@
+(defpackage #:hunchentoot-recycling-websocket
+  (:use)
+  (:documentation "Websockets served by a parallel acceptor's engine, in
+hunchensocket's shape: an application written for hunchensocket is ported
+by naming this package instead (see README).  Defined by the package
+hunchentoot-recycling-taskmaster, which calls it WS.")
+  (:export
+   ;; Finding the resource a request opens a websocket on.
+   #:*websocket-dispatch-table*
+   ;; Resources and their clients.
+   #:websocket-resource
+   #:websocket-client
+   #:clients
+   #:client-request
+   #:client-subprotocol
+   #:client-open-p
+   #:origin-allowed-p
+   ;; What a resource hears.
+   #:client-connected
+   #:client-disconnected
+   #:text-message-received
+   #:binary-message-received
+   ;; What any thread may send.
+   #:send-text-message
+   #:send-binary-message
+   #:send-ping
+   #:close-connection))
+
 (defpackage #:hunchentoot-recycling-taskmaster
   (:use #:cl)
+  (:local-nicknames (#:ws #:hunchentoot-recycling-websocket))
   (:export
    ;; Acceptors: Hunchentoot's four acceptor classes, each with a
    ;; RECYCLING-TASKMASTER as its default taskmaster.
@@ -24,6 +53,10 @@
    #:acceptor-max-header-bytes
    #:acceptor-max-body-bytes
    #:acceptor-body-buffer-bytes
+   #:acceptor-max-websocket-message-bytes
+   #:acceptor-max-websocket-queue-bytes
+   #:acceptor-websocket-ping-interval
+   #:acceptor-websocket-timeout
 
    ;; The taskmaster and its configuration.
    #:recycling-taskmaster

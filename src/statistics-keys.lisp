@@ -27,6 +27,17 @@
      "Connections whose reply the socket has not taken whole, waiting for the client to read.")
     (:arriving-bodies :gauge "arriving_bodies" "Requests whose body the engine is reading, before dispatch.")
     (:tls-handshakes :gauge "tls_handshakes" "Connections whose TLS handshake the engine is taking.")
+    (:open-websockets :gauge "open_websockets" "Connections that are open websockets.")
+    (:websocket-messages-received :counter "websocket_messages_received_total"
+     "Websocket messages received whole.")
+    (:websocket-messages-sent :counter "websocket_messages_sent_total"
+     "Websocket messages sent (or waiting for the client's socket).")
+    (:websocket-octets-received :counter "websocket_octets_received_total"
+     "Octets received on websockets, frame heads included.")
+    (:websocket-octets-sent :counter "websocket_octets_sent_total"
+     "Octets sent on websockets, frame heads included.")
+    (:websocket-closes :by-code "websocket_closes_total"
+     "Websockets closed, by close code: an alist from the code to its count, 1006 for a client gone without a close frame, 0 for codes not listed.")
     (:connections-accepted :counter "connections_accepted_total" "Connections accepted.")
     (:keep-alive-timeouts :counter "keep_alive_timeouts_total"
      "Kept-alive connections closed after KEEP-ALIVE-TIMEOUT idle seconds.")
@@ -67,7 +78,8 @@
   "Every key of TASKMASTER-STATISTICS: (KEY KIND PROMETHEUS-NAME DESCRIPTION).
 KIND is :GAUGE or :COUNTER for a number; (:REFUSED STATUS) for the count of
 requests the engine answered STATUS by itself; :BY-CLASS for the alist of
-replies by status class; :HISTOGRAM-BUCKETS, :HISTOGRAM-COUNT and
+replies by status class; :BY-CODE for the alist of websocket closes by
+close code; :HISTOGRAM-BUCKETS, :HISTOGRAM-COUNT and
 :HISTOGRAM-SUM for the request-duration histogram.  The Prometheus name
 follows the metrics' prefix; refusals share one family labelled by
 status.")

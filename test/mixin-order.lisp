@@ -182,13 +182,17 @@ generic function's name."
         (visit `(setf ,symbol))))
     methods))
 
+(defun library-symbol-p (symbol)
+  "True for the symbols of the library's packages: its own and its websocket API's."
+  (member (symbol-package symbol) (list (find-package '#:hunchentoot-recycling-taskmaster)
+                                        (find-package '#:hunchentoot-recycling-websocket))))
+
 (defun library-class-p (specializer)
   (and (typep specializer 'class)
-       (eq (symbol-package (class-name specializer)) (find-package '#:hunchentoot-recycling-taskmaster))))
+       (library-symbol-p (class-name specializer))))
 
 (defun library-generic-function-p (name)
-  (eq (symbol-package (if (consp name) (second name) name))
-      (find-package '#:hunchentoot-recycling-taskmaster)))
+  (library-symbol-p (if (consp name) (second name) name)))
 
 (test library.no-method-on-hunchentoot-classes-alone
   ;; Stricter than "not all Hunchentoot's classes": a method on another

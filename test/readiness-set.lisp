@@ -346,6 +346,10 @@ then closed the connection."
     (is (rejected-p :keep-alive-timeout -1))
     (is (rejected-p :max-header-bytes 10))
     (is (rejected-p :read-timeout 1 :write-timeout 2))
+    (is (rejected-p :websocket-timeout 0))
+    (is (rejected-p :websocket-ping-interval "30"))
+    (is (rejected-p :max-websocket-message-bytes 0))
+    (is (rejected-p :max-websocket-queue-bytes nil))
     (is (not (rejected-p :header-timeout 0.5)))))
 
 ;;; IPv6.

@@ -35,6 +35,10 @@ does not do by itself."
   "Add AMOUNT to PLACE, a structure slot of type WORD; returns the old value."
   `(sb-ext:atomic-incf ,place ,amount))
 
+(defmacro atomic-subtract (place amount)
+  "Subtract AMOUNT from PLACE, a structure slot of type WORD; returns the old value."
+  `(sb-ext:atomic-decf ,place ,amount))
+
 (defmacro atomic-decrement (place)
   "Subtract one from PLACE, a structure slot of type WORD; returns the old value."
   `(sb-ext:atomic-decf ,place))

@@ -2,7 +2,7 @@
 ;;;; reply, or ended by the sweeper at their deadline -- 408 for a head that
 ;;;; did not arrive in time, 503 for a request that found no worker in time,
 ;;;; a plain close for an idle kept-alive connection or a reply its client
-;;;; stopped taking.
+;;;; stopped taking; a websocket pinged or closed with its close frame.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -10,6 +10,8 @@
   "Close CONNECTION, which the caller holds, and forget it.  Errors mean the
 client is gone already."
   (remove-connection set connection)
+  (when (connection-websocket connection)
+    (end-websocket (connection-websocket connection)))
   (when (connection-outgoing connection)
     (drop-outgoing set connection))
   (when (connection-arriving-body connection)
@@ -41,11 +43,7 @@ before the reset that unread input provokes."
     (ignore-errors
      (cond ((plain-connection-p connection) (send-without-waiting fd reply))
            ((fd-writable-p fd) (write-sequence reply stream) (finish-output stream))))
-    (shut-down-fd-output fd)
-    (let ((scratch (make-array 4096 :element-type '(unsigned-byte 8))))
-      (loop repeat 16
-            for count = (receive-available fd scratch 0 4096)
-            while (and (integerp count) (plusp count)))))
+    (linger-before-close connection))
   (close-connection set connection)
   (funcall (readiness-set-refusal-logger set) connection status))
 
@@ -58,6 +56,9 @@ sent nothing, a client that took none of its reply)."
     (cond ((connection-handshake connection)
            (atomic-increment (connection-counters-handshake-timeouts counters))
            (close-connection set connection))
+          ((connection-websocket connection)
+           (when (eq (websocket-deadline-reached (connection-websocket connection)) :close)
+             (close-connection set connection)))
           ((connection-arriving-body connection)
            (atomic-increment (connection-counters-body-timeouts counters))
            (count-reply counters 408)

@@ -10,7 +10,9 @@
 ;;;; before arming the descriptor (one-shot), and every taker -- the worker
 ;;;; woken for it, the sweeper closing it at its deadline, HUNCHENTOOT:STOP --
 ;;;; must win a compare-and-swap from :PARKED to :ACTIVE first, so that two
-;;;; threads never serve one connection (readiness-set.lisp).
+;;;; threads never serve one connection (readiness-set.lisp).  A websocket's
+;;;; connection may also be taken so by a thread sending to it
+;;;; (websocket-connection.lisp).
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -48,6 +50,8 @@
   ;; While it waits for output: the octets its client had not acknowledged
   ;; when it was last parked or looked at, or NIL.
   (unacknowledged nil)
+  ;; The WEBSOCKET the connection has become after a 101, or NIL.
+  (websocket nil)
   ;; True once the descriptor has been added to the epoll set.
   (armed-p nil)
   ;; True once a request of this connection has been answered: before, a
@@ -91,3 +95,15 @@ timeout."
   (let ((before (connection-unacknowledged connection))
         (now (note-unacknowledged-octets connection)))
     (and before now (< now before))))
+
+(defun linger-before-close (connection)
+  "Send FIN after what was written to CONNECTION, then drop what its client
+sent meanwhile, in a few reads that do not wait: closing a socket with
+unread input resets the connection, and a reset may reach the client
+before it has read our last octets."
+  (let ((fd (connection-fd connection))
+        (scratch (make-array 4096 :element-type '(unsigned-byte 8))))
+    (shut-down-fd-output fd)
+    (loop repeat 16
+          for count = (receive-available fd scratch 0 4096)
+          while (and (integerp count) (plusp count)))))

@@ -13,6 +13,10 @@
   "The same bounds in microseconds, so that counting a request conses
 nothing.")
 
+(defparameter *websocket-close-codes* #(1000 1001 1002 1003 1006 1007 1008 1009 1011)
+  "The close codes websocket closes are counted by; any other is counted
+as 0.")
+
 (defstruct (connection-counters (:constructor make-connection-counters ()))
   "What the readiness sets of one engine have counted, ever.  The engine
 keeps it from run to run; each run's set counts into it."
@@ -41,7 +45,16 @@ keeps it from run to run; each run's set counts into it."
   (duration-counts (make-array (1+ (length *duration-bucket-seconds*)) :element-type 'word :initial-element 0)
    :type (simple-array word (*)) :read-only t)
   ;; The sum of those durations, in microseconds.
-  (duration-microseconds 0 :type word))
+  (duration-microseconds 0 :type word)
+  ;; Websocket messages received whole, and sent (queued).
+  (websocket-messages-in 0 :type word)
+  (websocket-messages-out 0 :type word)
+  ;; Octets of websocket frames received and sent, heads included.
+  (websocket-octets-in 0 :type word)
+  (websocket-octets-out 0 :type word)
+  ;; Websockets closed, per code of *WEBSOCKET-CLOSE-CODES*, then others.
+  (websocket-closes (make-array (1+ (length *websocket-close-codes*)) :element-type 'word :initial-element 0)
+   :type (simple-array word (*)) :read-only t))
 
 (defun count-reply (counters status)
   "Count a reply with STATUS in its class."
@@ -67,3 +80,8 @@ MICROSECONDS from its complete head to its reply sent."
     (count-reply counters status)
     (atomic-increment (aref (connection-counters-duration-counts counters) bucket))
     (atomic-add (connection-counters-duration-microseconds counters) microseconds)))
+
+(defun count-websocket-close (counters code)
+  "Count a websocket closed with CODE (1006 when it closed without a frame)."
+  (atomic-increment (aref (connection-counters-websocket-closes counters)
+                          (or (position code *websocket-close-codes*) (length *websocket-close-codes*)))))

@@ -59,6 +59,8 @@
   (arriving-body-count 0 :type word)
   ;; Connections whose TLS handshake the engine is taking, parked or not.
   (handshake-count 0 :type word)
+  ;; Connections that are open websockets.
+  (websocket-count 0 :type word)
   ;; The engine's CONNECTION-COUNTERS, which this set counts into.
   (counters nil :type connection-counters :read-only t))
 

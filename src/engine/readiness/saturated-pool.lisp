@@ -73,7 +73,11 @@ what the client has sent since."
 free.  The rest of a reply is sent; for a request, a plain connection is
 looked at, and a TLS one cannot be without reading it, so that it has sent
 anything counts as a request waiting for a worker."
-  (cond ((connection-outgoing connection) (send-rest-of-reply engine set connection))
+  (cond ((connection-websocket connection)
+         ;; Its frames are read by a worker; what is sent to it goes now.
+         (unless (eq (park-websocket (connection-websocket connection)) t)
+           (close-connection set connection)))
+        ((connection-outgoing connection) (send-rest-of-reply engine set connection))
         ((or (connection-arriving-body connection) (connection-handshake connection))
          ;; Its body is read, or its handshake taken, by a worker, under the
          ;; deadline it was parked with.

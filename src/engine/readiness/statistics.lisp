@@ -10,6 +10,17 @@ none runs) holds now, and what COUNTERS counted ever."
          :unsent-replies (if set (readiness-set-outgoing-count set) 0)
          :arriving-bodies (if set (readiness-set-arriving-body-count set) 0)
          :tls-handshakes (if set (readiness-set-handshake-count set) 0)
+         :open-websockets (if set (readiness-set-websocket-count set) 0)
+         :websocket-messages-received (connection-counters-websocket-messages-in counters)
+         :websocket-messages-sent (connection-counters-websocket-messages-out counters)
+         :websocket-octets-received (connection-counters-websocket-octets-in counters)
+         :websocket-octets-sent (connection-counters-websocket-octets-out counters)
+         :websocket-closes (loop for code across *websocket-close-codes*
+                                 for count across (connection-counters-websocket-closes counters)
+                                 collect (cons code count) into closes
+                                 finally (return (append closes
+                                                         (list (cons 0 (aref (connection-counters-websocket-closes counters)
+                                                                             (length *websocket-close-codes*)))))))
          :connections-accepted (connection-counters-accepted counters)
          :keep-alive-timeouts (connection-counters-keep-alive-timeouts counters)
          :write-timeouts (connection-counters-write-timeouts counters)

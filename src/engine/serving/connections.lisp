@@ -1,8 +1,8 @@
 ;;;; Serving a connection a worker has taken: its stream started (a TLS
-;;;; handshake stepped), then its turn of the request cycle inside
-;;;; HUNCHENTOOT:PROCESS-CONNECTION, so that the :AROUND methods of mixins
-;;;; run around it; then the connection parked, closed or let go by the
-;;;; turn's outcome (request-cycle.lisp).
+;;;; handshake stepped), then its turn of the request cycle, or of its
+;;;; websocket, inside HUNCHENTOOT:PROCESS-CONNECTION, so that the :AROUND
+;;;; methods of mixins run around it; then the connection parked, closed or
+;;;; let go by the turn's outcome (request-cycle.lisp, websocket-turn.lisp).
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -39,9 +39,17 @@ Called each time a worker takes the connection up, not once for its life:
          (set (serving-set serving))
          (connection (connection-socket-connection socket)))
     (with-connection-bindings ()
-      (multiple-value-bind (outcome detail) (answer-arrived-requests serving connection)
+      (multiple-value-bind (outcome detail) (if (connection-websocket connection)
+                                                (answer-websocket-frames serving connection)
+                                                (answer-arrived-requests serving connection))
+        (when (eq outcome :upgrade)
+          (setf outcome (open-websocket serving connection detail)))
         (when (let-go-of-connection (serving-worker serving))
           (ecase outcome
+            (:websocket (if (stopping-p engine)
+                            (close-connection set connection)
+                            (unless (eq (park-websocket (connection-websocket connection)) t)
+                              (close-connection set connection))))
             (:park (park-or-end engine set connection (serving-buffer serving) detail))
             (:send-rest (park-until-writable engine set connection (serving-buffer serving) detail))
             (:read-body (park-until-body-arrives engine set connection))

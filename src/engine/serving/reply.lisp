@@ -80,6 +80,18 @@ to rewrite for a cookie-less session."
        (null hunchentoot:*header-stream*)
        (not (and (stringp content) hunchentoot:*rewrite-for-session-urls* (hunchentoot:session request)))))
 
+(defun push-reply-head (return-code headers head omitted)
+  "Make HEAD, a REPLY-HEAD, RETURN-CODE's status line, the HEADERS (an
+alist) but those named in OMITTED, the reply's cookies and the blank line."
+  (setf (reply-head-end head) 0)
+  (push-octets (status-line return-code) head)
+  (loop for (name . value) in headers
+        when (and value (not (member name omitted)))
+          do (push-header-line (chunga:as-capitalized-string name) value head))
+  (loop for (nil . cookie) in (hunchentoot:cookies-out*)
+        do (push-header-line "Set-Cookie" (cookie-header-value cookie) head))
+  (push-crlf head))
+
 (defun build-reply-head (request return-code content-length)
   "Build RETURN-CODE's status line and the headers, for a body of
 CONTENT-LENGTH octets, in the worker's REPLY-HEAD: headers as START-OUTPUT
@@ -99,14 +111,7 @@ SEND-RESPONSE does.  Returns the REPLY-HEAD."
         (refuse-unsafe-header-values reply))
       (hunchentoot:acceptor-log-access hunchentoot:*acceptor* :return-code return-code)
       (hunchentoot:raw-post-data :force-binary t)
-      (setf (reply-head-end head) 0)
-      (push-octets (status-line return-code) head)
-      (loop for (name . value) in headers
-            when value
-              do (push-header-line (chunga:as-capitalized-string name) value head)))
-    (loop for (nil . cookie) in (hunchentoot:cookies-out*)
-          do (push-header-line "Set-Cookie" (cookie-header-value cookie) head))
-    (push-crlf head)
+      (push-reply-head return-code headers head '()))
     head))
 
 (defconstant +copy-buffer-octets+ 65536
@@ -178,12 +183,33 @@ body as octets (SEND-REPLY-PIECES).  No body for HEAD."
                                (unless (eq (hunchentoot:request-method request) :head) octets))
       (setf (finish-processing-connection-p) t))))
 
+(defun send-switching-protocols-reply ()
+  "Send the 101 that makes the connection a websocket: the status line, the
+headers as set, Server, Date and cookies, without the Content-Type,
+Content-Length and Keep-Alive of a reply with a body (RFC 9110 8.6: a 1xx
+has no Content-Length); logged as any reply."
+  (set-server-and-date-headers)
+  (setf (headers-sent-p) t)
+  (let ((head (serving-reply-head *serving*))
+        (reply hunchentoot:*reply*)
+        (stream (current-connection-stream)))
+    (let ((headers (hunchentoot:headers-out reply)))
+      (unless (typep reply 'parallel-reply)
+        (refuse-unsafe-header-values reply))
+      (hunchentoot:acceptor-log-access hunchentoot:*acceptor* :return-code hunchentoot:+http-switching-protocols+)
+      (push-reply-head hunchentoot:+http-switching-protocols+ headers head '(:content-type :content-length :keep-alive)))
+    (write-sequence (reply-head-octets head) stream :end (reply-head-end head))
+    (finish-output stream)))
+
 (defun send-reply (request return-code content)
-  "Send the reply: as octets when OCTETS-REPLY-P, else by Hunchentoot's
-START-OUTPUT."
-  (if (octets-reply-p request content)
-      (send-octets-reply request return-code content)
-      (hunchentoot-start-output return-code content)))
+  "Send the reply: the 101 of a websocket handshake by
+SEND-SWITCHING-PROTOCOLS-REPLY, as octets when OCTETS-REPLY-P, else by
+Hunchentoot's START-OUTPUT."
+  (cond ((and (eql return-code hunchentoot:+http-switching-protocols+) *serving* (serving-upgrade *serving*))
+         (send-switching-protocols-reply))
+        ((octets-reply-p request content)
+         (send-octets-reply request return-code content))
+        (t (hunchentoot-start-output return-code content))))
 
 ;;; Processing a request.
 

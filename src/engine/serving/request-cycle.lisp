@@ -19,6 +19,9 @@
 ;;;;   :CLOSE          The connection ends: the reply said so, or the client
 ;;;;                   went away.
 ;;;;   :LET-GO         A handler took the connection over (DETACH-SOCKET).
+;;;;   :UPGRADE end    A websocket handshake was answered 101: the
+;;;;                   connection becomes a websocket, END octets of its
+;;;;                   first frames starting the buffer.
 ;;;;   :REFUSE status  Answer STATUS and close, no handler asked.
 ;;;;
 ;;;; PROCESS-CONNECTION (connections.lisp) parks, closes or lets go of the
@@ -37,8 +40,9 @@ connection stream.  Its body is read from CONTENT-STREAM; CHUNKED-P says
 that stream decodes a chunked body, and it is then also the stream the
 reply is written to, which is how Hunchentoot tells that the body is
 chunked.  A 100 Continue goes first when CONTINUE-P.  Returns :NEXT (the
-caller finds where the next request starts), :CLOSE, :LET-GO, or :REFUSE
-and a status (a chunked body refused before the reply began)."
+caller finds where the next request starts), :UPGRADE (the same, for a
+websocket's frames), :CLOSE, :LET-GO, or :REFUSE and a status (a chunked
+body refused before the reply began)."
   (let ((acceptor (serving-acceptor serving))
         (taskmaster (engine-taskmaster (serving-engine serving)))
         (worker (serving-worker serving))
@@ -62,7 +66,8 @@ and a status (a chunked body refused before the reply began)."
              (write-sequence *continue-reply* stream)
              (force-output stream))
            (setf (serving-reply-connection serving)
-                 (and (not chunked-p) (plain-connection-p connection) connection))
+                 (and (not chunked-p) (plain-connection-p connection) connection)
+                 (serving-upgrade serving) nil)
            (with-request-bindings ()
              (setf (current-connection-stream) (if chunked-p content-stream stream))
              (let ((reply (make-reply (serving-constructors serving))))
@@ -80,6 +85,8 @@ and a status (a chunked body refused before the reply began)."
                      (hunchentoot:reset-connection-stream acceptor (current-connection-stream)))
                (setf status (hunchentoot:return-code reply)
                      outcome (cond ((not (close-connection-stream-p)) :let-go)
+                                   ((and (serving-upgrade serving) (eql status hunchentoot:+http-switching-protocols+))
+                                    :upgrade)
                                    ((finish-processing-connection-p) :close)
                                    (t :next))))))
       (setf (serving-reply-connection serving) nil)
@@ -200,12 +207,12 @@ END octets having arrived in all, or begin reading its body."
                      (connection-stream connection))
                (multiple-value-bind (outcome status)
                    (answer-request serving connection head content-stream chunked-p (expects-continue-p head))
-                 (if (eq outcome :next)
+                 (if (member outcome '(:next :upgrade))
                      ;; A chunked body read only in part leaves no way to
                      ;; find where the next request starts.
                      (let ((next-end (and (or (not chunked-p) (body-finished-p content-stream))
                                           (next-request-octets connection buffer body-p buffered head-end end))))
-                       (if next-end (values :next next-end) :close))
+                       (if next-end (values outcome next-end) :close))
                      (values outcome status)))))))))
 
 ;;; A turn.
@@ -251,6 +258,7 @@ connection has to wait or end: the outcome of the turn, never :NEXT."
                ;; Trying one more read before parking did not pay (bench
                ;; run 2026-11-22T004655Z): a kept-alive connection parks.
                (return (values :park 0))))
+            (:upgrade (return (values :upgrade detail)))
             ((:close :let-go)
              (when outgoing
                (setf (outgoing-then outgoing) :close)

@@ -32,7 +32,17 @@
   (server-header-value nil :read-only t)
   ;; While a request on a plain connection is answered, that CONNECTION: a
   ;; reply written as pieces may then be left to the engine.  NIL otherwise.
-  (reply-connection nil))
+  (reply-connection nil)
+  ;; The WEBSOCKET-UPGRADE of the request being answered once its
+  ;; handshake has been accepted, until the connection becomes the
+  ;; websocket; NIL otherwise.
+  (upgrade nil))
+
+(defstruct (websocket-upgrade (:constructor make-websocket-upgrade (resource client)))
+  "A websocket handshake accepted, its 101 not sent yet: the resource and
+the client made for it."
+  (resource nil :read-only t)
+  (client nil :read-only t))
 
 (defmethod print-object ((serving serving) stream)
   ;; Backtraces print it: never the buffer, which holds other clients' octets.

@@ -1,0 +1,59 @@
+;;;; The opening handshake of RFC 6455 section 4, as functions of a
+;;;; request's headers: whether a request asks for a websocket, what is
+;;;; wrong with one that asks badly, the Sec-WebSocket-Accept answer, the
+;;;; subprotocol chosen.  SHA-1 is cl-ironclad's, base64 cl-base64's.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defparameter *websocket-guid* "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+  "RFC 6455 1.3: appended to the client's key before hashing.")
+
+(defun header-tokens (value)
+  "The comma-separated tokens of the header VALUE (NIL: none), trimmed."
+  (and value
+       (loop for start = 0 then (1+ comma)
+             for comma = (position #\, value :start start)
+             for token = (string-trim '(#\Space #\Tab) (subseq value start comma))
+             when (plusp (length token))
+               collect token
+             while comma)))
+
+(defun header-has-token-p (value token)
+  (member token (header-tokens value) :test #'string-equal))
+
+(defun websocket-upgrade-request-p (headers)
+  "True when HEADERS (an alist of keywords to strings) ask to upgrade the
+connection to a websocket (RFC 6455 4.2.1, items 3 and 4)."
+  (and (header-has-token-p (cdr (assoc :upgrade headers)) "websocket")
+       (header-has-token-p (cdr (assoc :connection headers)) "upgrade")))
+
+(defun websocket-key-valid-p (key)
+  "True when KEY, a Sec-WebSocket-Key, is the base64 of 16 octets."
+  (and key
+       (= (length key) 24)
+       (string= "==" key :start2 22)
+       (every (lambda (char) (or (alphanumericp char) (find char "+/"))) (subseq key 0 22))))
+
+(defun websocket-handshake-refusal (method protocol headers)
+  "Why the upgrade request of METHOD and PROTOCOL with HEADERS cannot be
+answered 101: its status and what the reply says -- 400 for a method other
+than GET, HTTP/1.0, or a missing or malformed key, 426 for a version other
+than 13 (answered with the version that is) -- or NIL when it can."
+  (let ((version (cdr (assoc :sec-websocket-version headers))))
+    (cond ((not (eq method :get)) (values 400 "A websocket is opened with GET."))
+          ((not (eq protocol :http/1.1)) (values 400 "A websocket is opened with HTTP/1.1."))
+          ((not (websocket-key-valid-p (cdr (assoc :sec-websocket-key headers))))
+           (values 400 "Sec-WebSocket-Key must be the base64 of 16 octets."))
+          ((not (equal version "13")) (values 426 "Only version 13 of the websocket protocol is served.")))))
+
+(defun websocket-accept-value (key)
+  "The Sec-WebSocket-Accept answering the Sec-WebSocket-Key KEY: the base64
+of the SHA-1 of KEY and *WEBSOCKET-GUID*."
+  (cl-base64:usb8-array-to-base64-string
+   (ironclad:digest-sequence :sha1 (string-utf-8-octets (concatenate 'string key *websocket-guid*)))))
+
+(defun choose-offered-subprotocol (offered supported)
+  "The first of SUPPORTED (strings, in the server's order of preference)
+that the Sec-WebSocket-Protocol value OFFERED names, or NIL."
+  (let ((tokens (header-tokens offered)))
+    (find-if (lambda (protocol) (member protocol tokens :test #'string=)) supported)))

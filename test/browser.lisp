@@ -1,0 +1,115 @@
+;;;; The demo's chat page in a real browser: the demo (`make run`) in a
+;;;; process of its own, headless Chromium with two pages on /chat.html,
+;;;; driven through the DevTools protocol -- itself a websocket, spoken
+;;;; with the client of test/websockets.lisp.  A message typed on one page
+;;;; must appear on the other.
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite browser :in all :description "The demo's websocket chat in headless Chromium.")
+(in-suite browser)
+
+(defun chromium-program ()
+  (find-if (lambda (name) (ignore-errors (uiop:run-program (list "which" name) :output nil) t))
+           '("chromium" "chromium-browser")))
+
+(defun launch-demo (port)
+  "The demo server of `make run`, serving PORT, in an SBCL of its own."
+  (uiop:launch-program
+   (list "sbcl" "--noinform" "--non-interactive" "--disable-debugger"
+         "--load" (namestring (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster" "tools/setup.lisp"))
+         "--eval" "(load-systems-quietly \"hunchentoot-recycling-taskmaster/demo\")"
+         "--eval" (format nil "(hunchentoot-recycling-taskmaster-demo:main :port ~D)" port))
+   :output nil :error-output nil))
+
+(defun launch-chromium (program debugging-port profile-directory)
+  (uiop:launch-program
+   (list program "--headless=new" "--no-sandbox" "--disable-gpu" "--no-first-run"
+         (format nil "--remote-debugging-port=~D" debugging-port)
+         (format nil "--user-data-dir=~A" profile-directory)
+         "about:blank")
+   :output nil :error-output nil))
+
+(defun port-listening-p (port)
+  (let ((socket (ignore-errors (connect-to-port port))))
+    (when socket
+      (usocket:socket-close socket)
+      t)))
+
+(defun end-process (process)
+  "End PROCESS, which this test started: TERM, then KILL after 10 s."
+  (when (uiop:process-alive-p process)
+    (uiop:terminate-process process)
+    (unless (wait-until (lambda () (not (uiop:process-alive-p process))) :timeout 10)
+      (uiop:terminate-process process :urgent t)))
+  (uiop:wait-process process))
+
+(defun json-string-field (json name)
+  "The string value of the field NAME in the JSON text, unescaped only for \\\" and \\\\."
+  (let ((match (nth-value 1 (cl-ppcre:scan-to-strings
+                             (format nil "\"~A\"\\s*:\\s*\"((?:[^\"\\\\]|\\\\.)*)\"" name) json))))
+    (and match (cl-ppcre:regex-replace-all "\\\\([\"\\\\])" (aref match 0) "\\1"))))
+
+(defun open-devtools-page (debugging-port url)
+  "A websocket to the DevTools endpoint of a new page showing URL."
+  (let* ((json (drakma:http-request (format nil "http://127.0.0.1:~D/json/new?~A" debugging-port url)
+                                    :method :put))
+         (endpoint (json-string-field (if (stringp json) json (flex:octets-to-string json)) "webSocketDebuggerUrl"))
+         (path (subseq endpoint (search "/devtools/" endpoint)))
+         (socket (connect-to-port debugging-port)))
+    (send-text socket (websocket-handshake-text path))
+    (if (eql 101 (read-reply-head socket))
+        socket
+        (progn (usocket:socket-close socket) nil))))
+
+(defvar *devtools-id* 0)
+
+(defun evaluate-in-page (socket expression)
+  "The value (as a string) of the JavaScript EXPRESSION, which has no double
+quote or backslash, evaluated in the page SOCKET speaks to."
+  (let ((id (incf *devtools-id*)))
+    (send-frame socket 1 (format nil "{\"id\":~D,\"method\":\"Runtime.evaluate\",~
+                                      \"params\":{\"expression\":\"String(~A)\",\"returnByValue\":true}}"
+                                 id expression))
+    (loop (let ((reply (read-text socket :timeout 20)))
+            (unless (stringp reply) (return nil))
+            (when (search (format nil "\"id\":~D," id) reply)
+              (return (json-string-field reply "value")))))))
+
+(defun page-text-eventually (socket expression text)
+  "True when EXPRESSION's value in the page contains TEXT within 20 s."
+  (wait-until (lambda () (search text (or (evaluate-in-page socket expression) ""))) :timeout 20 :interval 0.2))
+
+(test browser.chat-message-typed-on-one-page-appears-on-another
+  (let ((program (chromium-program)))
+    (is (not (null program)) "chromium is installed (make test-deps installs it)")
+    (when program
+      (let* ((port (free-port))
+             (debugging-port (free-port))
+             (profile (format nil "/tmp/hrt-chromium-~36R/" (random (expt 2 40))))
+             (demo (launch-demo port))
+             (chromium nil)
+             (pages '()))
+        (unwind-protect
+             (progn
+               (is (wait-until (lambda () (port-listening-p port)) :timeout 120)
+                   "the demo listens")
+               (setf chromium (launch-chromium program debugging-port profile))
+               (is (wait-until (lambda () (port-listening-p debugging-port)) :timeout 60)
+                   "chromium listens for DevTools")
+               (let ((url (format nil "http://127.0.0.1:~D/chat.html" port)))
+                 (setf pages (list (open-devtools-page debugging-port url) (open-devtools-page debugging-port url))))
+               (is (every #'identity pages) "two pages open")
+               (when (every #'identity pages)
+                 (destructuring-bind (one two) pages
+                   (is (page-text-eventually one "document.getElementById('status').textContent" "Connected"))
+                   (is (page-text-eventually two "document.getElementById('status').textContent" "Connected"))
+                   (evaluate-in-page one "(document.getElementById('text').value = 'hello from page one', document.getElementById('form').requestSubmit(), 1)")
+                   (is (page-text-eventually two "document.getElementById('messages').textContent" "hello from page one")
+                       "the message reached the other page")
+                   (is (page-text-eventually one "document.getElementById('messages').textContent" "hello from page one")
+                       "and its own"))))
+          (mapc #'usocket:socket-close (remove nil pages))
+          (when chromium (end-process chromium))
+          (end-process demo)
+          (uiop:delete-directory-tree (uiop:ensure-directory-pathname profile) :validate t :if-does-not-exist :ignore))))))
