@@ -163,7 +163,8 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "profile")
                (:file "scale")
                (:file "chunked-body")
-               (:file "sessions")))
+               (:file "sessions")
+               (:file "websockets")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
   :description "The demo server that `make run` starts."

@@ -1,17 +1,19 @@
 ;;;; The Lisp benchmark servers.  bench/run starts each in its own process
 ;;;; with SERVE; every one answers GET /yo with 200 text/plain "Hey!", the
 ;;;; benchmark's files under /static/ as it serves files by itself, and
-;;;; GET /bench-stats with counters the driver reads around a measurement;
+;;;; GET /bench-stats with counters the driver reads around a measurement,
+;;;; GET /gc after a full garbage collection;
 ;;;; Hunchentoot's and ours answer GET /megabytes?n=N with N MiB of octets,
 ;;;; POST /body-length with the length of the body they read, and ours GET
 ;;;; /pool-stats with TASKMASTER-STATISTICS.
 
 (defpackage #:hunchentoot-recycling-taskmaster-bench
   (:use #:cl)
-  (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster))
+  (:local-nicknames (#:ht #:hunchentoot) (#:hrt #:hunchentoot-recycling-taskmaster)
+                    (#:ws #:hunchentoot-recycling-websocket))
   (:export #:serve #:run-benchmarks #:run-comparison #:run-connection-load #:run-slow-readers-load #:run-slow-bodies-load
            #:run-tls-handshakes-load
-           #:run-profile #:run-scale #:run-chunked-body-cost #:run-sessions #:run-https))
+           #:run-profile #:run-scale #:run-chunked-body-cost #:run-sessions #:run-https #:run-websockets))
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
@@ -74,6 +76,11 @@ by every reply, as a handler returning a cached page shares it.")
 (ht:define-easy-handler (body-length :uri "/body-length") ()
   (setf (ht:content-type*) "text/plain")
   (princ-to-string (length (ht:raw-post-data :force-binary t))))
+
+(ht:define-easy-handler (full-gc :uri "/gc") ()
+  (setf (ht:content-type*) "text/plain")
+  (sb-ext:gc :full t)
+  "done")
 
 (ht:define-easy-handler (bench-stats :uri "/bench-stats") (reset)
   (setf (ht:content-type*) "text/plain")
