@@ -65,7 +65,7 @@
   (next-sent 0 :type fixnum)
   (next-received 0 :type fixnum)
   (sent-times (make-array 0 :adjustable t :fill-pointer t))
-  (due 0)
+  (due most-positive-fixnum)
   ;; Messages received, and those out of order.
   (received 0 :type fixnum)
   (out-of-order 0 :type fixnum)

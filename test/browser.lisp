@@ -13,15 +13,6 @@
   (find-if (lambda (name) (ignore-errors (uiop:run-program (list "which" name) :output nil) t))
            '("chromium" "chromium-browser")))
 
-(defun launch-demo (port)
-  "The demo server of `make run`, serving PORT, in an SBCL of its own."
-  (uiop:launch-program
-   (list "sbcl" "--noinform" "--non-interactive" "--disable-debugger"
-         "--load" (namestring (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster" "tools/setup.lisp"))
-         "--eval" "(load-systems-quietly \"hunchentoot-recycling-taskmaster/demo\")"
-         "--eval" (format nil "(hunchentoot-recycling-taskmaster-demo:main :port ~D)" port))
-   :output nil :error-output nil))
-
 (defun launch-chromium (program debugging-port profile-directory)
   (uiop:launch-program
    (list program "--headless=new" "--no-sandbox" "--disable-gpu" "--no-first-run"
@@ -35,14 +26,6 @@
     (when socket
       (usocket:socket-close socket)
       t)))
-
-(defun end-process (process)
-  "End PROCESS, which this test started: TERM, then KILL after 10 s."
-  (when (uiop:process-alive-p process)
-    (uiop:terminate-process process)
-    (unless (wait-until (lambda () (not (uiop:process-alive-p process))) :timeout 10)
-      (uiop:terminate-process process :urgent t)))
-  (uiop:wait-process process))
 
 (defun json-string-field (json name)
   "The string value of the field NAME in the JSON text, unescaped only for \\\" and \\\\."
@@ -87,13 +70,13 @@ quote or backslash, evaluated in the page SOCKET speaks to."
       (let* ((port (free-port))
              (debugging-port (free-port))
              (profile (format nil "/tmp/hrt-chromium-~36R/" (random (expt 2 40))))
-             (demo (launch-demo port))
+             (demo-log (format nil "~Ademo.log" profile))
+             (demo (progn (ensure-directories-exist profile) (launch-demo port demo-log)))
              (chromium nil)
              (pages '()))
         (unwind-protect
              (progn
-               (is (wait-until (lambda () (port-listening-p port)) :timeout 120)
-                   "the demo listens")
+               (is (not (null demo)) "the demo serves")
                (setf chromium (launch-chromium program debugging-port profile))
                (is (wait-until (lambda () (port-listening-p debugging-port)) :timeout 60)
                    "chromium listens for DevTools")
@@ -110,6 +93,6 @@ quote or backslash, evaluated in the page SOCKET speaks to."
                    (is (page-text-eventually one "document.getElementById('messages').textContent" "hello from page one")
                        "and its own"))))
           (mapc #'usocket:socket-close (remove nil pages))
-          (when chromium (end-process chromium))
-          (end-process demo)
+          (when chromium (stop-process chromium))
+          (when demo (stop-process demo))
           (uiop:delete-directory-tree (uiop:ensure-directory-pathname profile) :validate t :if-does-not-exist :ignore))))))

@@ -131,10 +131,6 @@ they do not within 30 s."
                        "a 503 took more than the timeout: ~,2F s"
                        (reduce #'max (mapcar #'second replies) :initial-value 0)))))))
 
-(defun log-lines-matching (file text)
-  (with-open-file (in file :if-does-not-exist nil)
-    (if in (loop for line = (read-line in nil) while line count (search text line)) 0)))
-
 (test postgresql-sessions.database-stopped-for-10-s-under-load
   (with-postgresql-cluster (cluster)
     (uiop:with-temporary-file (:pathname log)
@@ -158,31 +154,15 @@ they do not within 30 s."
 
 ;;; Two demo processes on one port, directly and behind nginx.
 
-(defun launch-demo (port cluster log)
+(defun launch-demo-with-sessions (port cluster log)
   "Start the demo on PORT with REUSE_PORT=1 and its sessions in CLUSTER,
 writing to LOG; its process-info once it serves, or NIL."
-  (let ((process (uiop:launch-program
-                  (list "sbcl" "--noinform" "--non-interactive" "--disable-debugger"
-                        "--load" (namestring (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster"
-                                                                            "tools/setup.lisp"))
-                        "--eval" "(load-systems-quietly \"hunchentoot-recycling-taskmaster/demo\")"
-                        "--eval" (format nil "(hunchentoot-recycling-taskmaster-demo:main :port ~D)" port))
-                  :output log :error-output :output :if-output-exists :supersede
-                  :environment (append (list "REUSE_PORT=1")
-                                       (postgresql-cluster:postgresql-cluster-environment cluster)
-                                       (remove-if (lambda (entry) (or (eql 0 (search "PG" entry))
-                                                                      (eql 0 (search "REUSE_PORT=" entry))))
-                                                  (sb-ext:posix-environ))))))
-    (if (wait-until (lambda () (plusp (log-lines-matching log "Serving"))) :timeout 120 :interval 0.1)
-        process
-        (progn (stop-process process) nil))))
-
-(defun stop-process (process)
-  "End PROCESS, which this test started: TERM, then KILL after 10 s."
-  (uiop:terminate-process process)
-  (unless (wait-until (lambda () (not (uiop:process-alive-p process))) :timeout 10)
-    (uiop:terminate-process process :urgent t))
-  (uiop:wait-process process))
+  (launch-demo port log
+               :environment (append (list "REUSE_PORT=1")
+                                    (postgresql-cluster:postgresql-cluster-environment cluster)
+                                    (remove-if (lambda (entry) (or (eql 0 (search "PG" entry))
+                                                                   (eql 0 (search "REUSE_PORT=" entry))))
+                                               (sb-ext:posix-environ)))))
 
 (defun count-through (port jar)
   "The counter and process id /count on PORT answers for the session of JAR, a new connection each time."
@@ -241,7 +221,7 @@ third, the first count that was not the one expected, and the one expected."
            (hundred (loop repeat 100 collect (make-instance 'drakma:cookie-jar))))
       (ensure-directories-exist directory)
       (flet ((start-demos ()
-               (setf demos (mapcar (lambda (log) (launch-demo port cluster log)) logs))
+               (setf demos (mapcar (lambda (log) (launch-demo-with-sessions port cluster log)) logs))
                (is (every #'identity demos) "a demo did not start"))
              (stop-demos ()
                (mapc #'stop-process (remove nil demos))

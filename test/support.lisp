@@ -135,6 +135,36 @@ from SOCKET; NIL on EOF or timeout."
   (and (usocket:wait-for-input socket :timeout 2 :ready-only t)
        (null (ignore-errors (read-byte (usocket:socket-stream socket) nil)))))
 
+;;; Processes of the tests' own: the demo, and ending them by PID.
+
+(defun log-lines-matching (file text)
+  (with-open-file (in file :if-does-not-exist nil)
+    (if in (loop for line = (read-line in nil) while line count (search text line)) 0)))
+
+(defun stop-process (process)
+  "End PROCESS, which this test started: TERM, then KILL after 10 s."
+  (when (uiop:process-alive-p process)
+    (uiop:terminate-process process)
+    (unless (wait-until (lambda () (not (uiop:process-alive-p process))) :timeout 10)
+      (uiop:terminate-process process :urgent t)))
+  (uiop:wait-process process))
+
+(defun launch-demo (port log &key (environment (sb-ext:posix-environ)))
+  "The demo of `make run` serving PORT in an SBCL of its own with
+ENVIRONMENT, writing to LOG; its process-info once it says it serves, or
+NIL (it is ended)."
+  (let ((process (uiop:launch-program
+                  (list "sbcl" "--noinform" "--non-interactive" "--disable-debugger"
+                        "--load" (namestring (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster"
+                                                                            "tools/setup.lisp"))
+                        "--eval" "(load-systems-quietly \"hunchentoot-recycling-taskmaster/demo\")"
+                        "--eval" (format nil "(hunchentoot-recycling-taskmaster-demo:main :port ~D)" port))
+                  :output log :error-output :output :if-output-exists :supersede
+                  :environment environment)))
+    (if (wait-until (lambda () (plusp (log-lines-matching log "Serving"))) :timeout 120 :interval 0.1)
+        process
+        (progn (stop-process process) nil))))
+
 ;;; Certificates for the HTTPS tests, made with the openssl CLI.
 
 (defvar *certificate-directory* nil)
