@@ -21,6 +21,8 @@
 
 (defconstant +epolloneshot+ (ash 1 30))
 
+(defconstant +epollet+ (ash 1 31))
+
 (defconstant +epoll-event-bytes+ #+x86-64 12 #-x86-64 16
   "The size of struct epoll_event: packed on x86-64 only (glibc's
 __EPOLL_PACKED), naturally aligned elsewhere.")

@@ -22,21 +22,28 @@
                                                            sb-alien:int sb-sys:system-area-pointer))
               epoll-fd operation fd sap)))))
 
-(defun epoll-events (awaited one-shot)
+(defun epoll-events (awaited trigger)
+  "The events mask for AWAITED (:INPUT or :OUTPUT) reported as TRIGGER says:
+:LEVEL while ready, :ONE-SHOT once until armed again, :EDGE each time it
+becomes ready (new octets, new room)."
   (logior (ecase awaited
             (:input (logior +epollin+ +epollrdhup+))
             (:output +epollout+))
-          (if one-shot +epolloneshot+ 0)))
+          (ecase trigger
+            (:level 0)
+            (:one-shot +epolloneshot+)
+            (:edge +epollet+))))
 
-(defun epoll-watch (epoll-fd fd token &key one-shot (awaited :input))
+(defun epoll-watch (epoll-fd fd token &key (trigger :level) (awaited :input))
   "Add FD to the set: readable (or hung up) reports TOKEN, or writable when
-AWAITED is :OUTPUT.  ONE-SHOT disarms FD once it has been reported to one
-waiter, until EPOLL-REARM."
-  (epoll-control epoll-fd +epoll-ctl-add+ fd token (epoll-events awaited one-shot)))
+AWAITED is :OUTPUT, as TRIGGER says (EPOLL-EVENTS)."
+  (epoll-control epoll-fd +epoll-ctl-add+ fd token (epoll-events awaited trigger)))
 
-(defun epoll-rearm (epoll-fd fd token &key (awaited :input))
-  "Arm a one-shot FD again, for input or for output as AWAITED says."
-  (epoll-control epoll-fd +epoll-ctl-mod+ fd token (epoll-events awaited t)))
+(defun epoll-rearm (epoll-fd fd token &key (awaited :input) (trigger :one-shot))
+  "Arm FD again, for input or for output as AWAITED says: a one-shot FD is
+reported once more; an edge-triggered one is reported at once if it is
+ready, as at each edge after."
+  (epoll-control epoll-fd +epoll-ctl-mod+ fd token (epoll-events awaited trigger)))
 
 (defun epoll-disarm (epoll-fd fd token)
   "Keep FD in the set but report nothing for it until it is armed again."

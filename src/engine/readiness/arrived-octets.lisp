@@ -27,7 +27,11 @@ earlier are found there, not on the socket."
   "Bytes that have arrived on CONNECTION, into BUFFER from START below END:
 their count, 0 at end of file, :WOULD-BLOCK or :ERROR."
   (if (plain-connection-p connection)
-      (receive-available (connection-fd connection) buffer start end)
+      (let ((count (receive-available (connection-fd connection) buffer start end)))
+        ;; A read short of END took everything there was: what comes later
+        ;; is a new edge.
+        (setf (connection-unread-p connection) (and (integerp count) (= count (- end start))))
+        count)
       (receive-from-stream (connection-stream connection) (connection-fd connection) buffer start end)))
 
 (defun take-pending-bytes (connection buffer)

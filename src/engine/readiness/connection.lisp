@@ -4,13 +4,16 @@
 ;;;; deadline.
 ;;;;
 ;;;; Ownership.  A connection is :ACTIVE while exactly one thread holds it,
-;;;; :PARKED while it waits in the readiness set, and :CLOSED at the end.
-;;;; Only the holder of an :ACTIVE connection touches it (its PENDING,
-;;;; OUTGOING, ARRIVING-BODY and HANDSHAKE included).  Parking sets :PARKED
-;;;; before arming the descriptor (one-shot), and every taker -- the worker
-;;;; woken for it, the sweeper closing it at its deadline, HUNCHENTOOT:STOP --
-;;;; must win a compare-and-swap from :PARKED to :ACTIVE first, so that two
-;;;; threads never serve one connection (readiness-set.lisp).  A websocket's
+;;;; :NOTIFIED while held and reported ready meanwhile, :PARKED while it
+;;;; waits in the readiness set, and :CLOSED at the end.  Only the holder of
+;;;; an :ACTIVE or :NOTIFIED connection touches it (its PENDING, OUTGOING,
+;;;; ARRIVING-BODY and HANDSHAKE included).  Parking sets :PARKED before
+;;;; arming the descriptor, and every taker -- the worker woken for it, the
+;;;; sweeper closing it at its deadline, HUNCHENTOOT:STOP -- must win a
+;;;; compare-and-swap from :PARKED to :ACTIVE first, so that two threads
+;;;; never serve one connection; a worker woken for a connection it finds
+;;;; :ACTIVE marks it :NOTIFIED instead, for its holder to arm it again
+;;;; (readiness-set.lisp).  A websocket's
 ;;;; connection may also be taken so by a thread sending to it
 ;;;; (websocket-connection.lisp).
 
@@ -52,8 +55,15 @@
   (unacknowledged nil)
   ;; The WEBSOCKET the connection has become after a 101, or NIL.
   (websocket nil)
-  ;; True once the descriptor has been added to the epoll set.
-  (armed-p nil)
+  ;; How the descriptor is watched since its first park: :EDGE (plain) or
+  ;; :ONE-SHOT (TLS); NIL before it is added to the epoll set.
+  (trigger nil)
+  ;; What it is watched for since it was last armed: :INPUT or :OUTPUT.
+  (armed-for nil)
+  ;; True when octets may wait on the socket that no new edge will report:
+  ;; the connection was reported ready and has not been read to a short
+  ;; read since, or a stream read its body.  Parking arms it again then.
+  (unread-p t)
   ;; True once a request of this connection has been answered: before, a
   ;; soft STOP waits for it (ENGINE-DRAIN).
   (answered-p nil)

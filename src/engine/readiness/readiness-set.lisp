@@ -89,7 +89,7 @@ timeouts are in seconds; a WRITE-TIMEOUT or READ-TIMEOUT of NIL means a year."
                                    :refusal-logger refusal-logger)))
     (setf (readiness-set-spare-fd set) (open-spare-fd))
     (set-non-blocking listen-socket)
-    (epoll-watch epoll-fd (readiness-set-listen-fd set) +listen-token+ :one-shot t)
+    (epoll-watch epoll-fd (readiness-set-listen-fd set) +listen-token+ :trigger :one-shot)
     (epoll-watch epoll-fd (readiness-set-wakeup-fd set) +wakeup-token+)
     set))
 
@@ -196,42 +196,67 @@ or whose reply is not sent whole yet."
 ;;; Parking and taking.
 
 (defun take-parked-connection (set connection)
-  "Make the caller CONNECTION's holder if it is parked.  True when it was."
+  "Make the caller CONNECTION's holder if it is parked.  True when it was.
+What it had unread stays so."
   (when (compare-and-swap (connection-state connection) :parked :active)
     (atomic-decrement (readiness-set-parked-count set))
     t))
 
 (defun take-ready-connection (set token)
   "The parked connection TOKEN was reported for, now held by the caller; NIL
-when it is gone or another thread took it."
+when it is gone or another thread holds it.  A connection held by another
+thread is marked :NOTIFIED, so that its holder arms it again when it parks
+(the edge reported now would otherwise be lost).  What was reported is
+unread."
   (let* ((slots (readiness-set-slots set))
          (index (slot-index token))
          (connection (and (< index (length slots)) (svref slots index))))
-    (and connection
-         (= (connection-token connection) token)
-         (take-parked-connection set connection)
-         connection)))
+    (when (and connection (= (connection-token connection) token))
+      (loop
+        (case (connection-state connection)
+          (:parked (when (take-parked-connection set connection)
+                     (setf (connection-unread-p connection) t)
+                     (return connection)))
+          (:active (when (compare-and-swap (connection-state connection) :active :notified)
+                     (return nil)))
+          (t (return nil)))))))
 
 (defun park-connection (set connection deadline)
   "Give up CONNECTION until what it is AWAITING happens -- bytes arrive, or
 its socket has room -- or DEADLINE passes (then it gets its
 TIMEOUT-STATUS).  True when it is parked (and may already be another
 thread's); false when the descriptor could not be armed and the caller
-still holds the connection."
-  (let ((first-time-p (not (connection-armed-p connection))))
-    ;; Everything the next holder reads is written before arming: once
-    ;; armed, the connection may be taken before epoll_ctl even returns.
-    (setf (connection-deadline connection) deadline
-          (connection-armed-p connection) t
-          (connection-state connection) :parked)
-    (atomic-increment (readiness-set-parked-count set))
-    (or (if first-time-p
-            (epoll-watch (readiness-set-epoll-fd set) (connection-fd connection)
-                         (connection-token connection) :one-shot t :awaited (connection-awaiting connection))
-            (epoll-rearm (readiness-set-epoll-fd set) (connection-fd connection)
-                         (connection-token connection) :awaited (connection-awaiting connection)))
-        ;; Not armed; the sweeper may have taken it at its deadline meanwhile.
-        (not (take-parked-connection set connection)))))
+still holds the connection.  A plain connection is watched edge-triggered
+from its first park on, and parks without a system call when what it
+awaits has not changed and nothing it was told of is unread; a TLS one
+one-shot, armed at each park (OpenSSL may hold records it read ahead,
+which no edge would report)."
+  (let ((trigger (or (connection-trigger connection)
+                     (if (plain-connection-p connection) :edge :one-shot)))
+        (awaiting (connection-awaiting connection))
+        (first-time-p (null (connection-trigger connection))))
+    (let ((arm-p (or first-time-p
+                     (eq trigger :one-shot)
+                     (connection-unread-p connection)
+                     (not (eq awaiting (connection-armed-for connection))))))
+      ;; Everything the next holder reads is written before the connection
+      ;; is published :PARKED: it may be taken before epoll_ctl returns.
+      (setf (connection-deadline connection) deadline
+            (connection-trigger connection) trigger
+            (connection-armed-for connection) awaiting
+            (connection-unread-p connection) nil)
+      (unless (compare-and-swap (connection-state connection) :active :parked)
+        ;; :NOTIFIED: an edge came while the caller held it.
+        (setf arm-p t
+              (connection-state connection) :parked))
+      (atomic-increment (readiness-set-parked-count set))
+      (or (cond ((not arm-p) t)
+                (first-time-p (epoll-watch (readiness-set-epoll-fd set) (connection-fd connection)
+                                           (connection-token connection) :trigger trigger :awaited awaiting))
+                (t (epoll-rearm (readiness-set-epoll-fd set) (connection-fd connection)
+                                (connection-token connection) :trigger trigger :awaited awaiting)))
+          ;; Not armed; the sweeper may have taken it at its deadline meanwhile.
+          (not (take-parked-connection set connection))))))
 
 (defun map-parked-connections (set function)
   "Call FUNCTION on every connection parked in SET now.  It is not taken: it

@@ -41,6 +41,8 @@ CONNECTION ready, so that the first worker free takes it."
                             (t 0)))
          (count (receive-available (connection-fd connection) buffer pending-end (length buffer) :peek t))
          (end (if (integerp count) (+ pending-end count) pending-end)))
+    ;; Left on the socket: parked again, it is armed to be reported again.
+    (setf (connection-unread-p connection) t)
     (multiple-value-bind (status request-start request-line-end head-end)
         (scan-request-head buffer 0 end (acceptor-max-header-bytes (engine-acceptor engine)))
       (case status

@@ -201,6 +201,10 @@ END octets having arrived in all, or begin reading its body."
            (start-reading-body serving connection head nil framing head-end end))
           (t
            (let ((body-p (request-has-body-p headers)))
+             (when body-p
+               ;; Read through the connection stream, which may leave
+               ;; octets on the socket that no new edge will report.
+               (setf (connection-unread-p connection) t))
              (multiple-value-bind (content-stream buffered chunked-p)
                  (if body-p
                      (content-stream-for headers (connection-stream connection) buffer head-end end)
