@@ -25,7 +25,10 @@ fit what may wait for it (the client is then closed with 1008)."
       (let ((offered (offer-websocket-frame websocket (frame-octets opcode payload))))
         (when offered
           (atomic-increment (connection-counters-websocket-messages-out (websocket-counters websocket))))
-        (serve-websocket-output websocket)
+        ;; Not for a send dropped because the websocket is closing: parking
+        ;; it again would put off the end of its wait for the close.
+        (when (or offered (websocket-overflowed-p websocket))
+          (serve-websocket-output websocket))
         offered))))
 
 (defun ws:send-text-message (client message)

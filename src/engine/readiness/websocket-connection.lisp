@@ -174,9 +174,9 @@ and mark it closing."
 (defun websocket-deadline (websocket)
   "When WEBSOCKET, about to park, is next looked at without its client:
 for a client that takes none of what waits to be sent, the write timeout
-from when it last took some;
-closing, the end of the wait for the client's close frame; else the time
-to ping it, or to give up on it once pinged."
+from when it last took some; closing, the end of the wait for the
+client's close frame; else the time to ping it, or to give up on it once
+pinged."
   (let ((set (websocket-set websocket))
         (connection (websocket-connection websocket))
         (now (get-internal-real-time)))
