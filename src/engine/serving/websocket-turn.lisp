@@ -182,15 +182,25 @@ when the connection is to close, else NIL."
              ;; A message of one frame, all in the buffer: handed on from there.
              (end-message websocket buffer start end))
             (t
-             (let ((message (or (websocket-message websocket)
-                                (setf (websocket-message websocket)
-                                      (make-array count :element-type '(unsigned-byte 8)
-                                                        :adjustable t :fill-pointer 0)))))
-               (loop for index from start below end
-                     do (vector-push-extend (aref buffer index) message))
-               (when (and whole-p fin-p)
-                 (let ((octets (coerce message 'octets)))
-                   (end-message websocket octets 0 (length octets))))))))))
+             (append-message-octets websocket buffer start end)
+             (when (and whole-p fin-p)
+               (let ((octets (coerce (websocket-message websocket) 'octets)))
+                 (end-message websocket octets 0 (length octets)))))))))
+
+(defun append-message-octets (websocket buffer start end)
+  "Add the octets of BUFFER from START below END to WEBSOCKET's message,
+a vector made on its first frame and grown by doubling."
+  (let* ((message (or (websocket-message websocket)
+                      (setf (websocket-message websocket)
+                            (make-array (- end start) :element-type '(unsigned-byte 8)
+                                                      :adjustable t :fill-pointer 0))))
+         (fill (fill-pointer message))
+         (new-fill (+ fill (- end start))))
+    (when (> new-fill (array-dimension message 0))
+      (setf message (setf (websocket-message websocket)
+                          (adjust-array message (max new-fill (* 2 (array-dimension message 0)))))))
+    (setf (fill-pointer message) new-fill)
+    (replace message buffer :start1 fill :start2 start :end2 end)))
 
 (defun end-message (websocket octets start end)
   "The last frame of WEBSOCKET's message has arrived, its payload the
@@ -230,34 +240,34 @@ head of a frame begins (END when there is none), or :CLOSE."
 
 ;;; A turn.
 
-(defun answer-websocket-frames (serving connection)
-  "Read what CONNECTION's client has sent, without waiting, and act on its
-frames.  :WEBSOCKET when the connection is to park, :CLOSE when it is to
-close."
+(defun answer-websocket-frames (serving connection
+                                &optional (end (take-pending-bytes connection (serving-buffer serving))))
+  "Read what CONNECTION's client has sent, without waiting, after the END
+octets at the start of the buffer, and act on its frames.  :WEBSOCKET when
+the connection is to park (with the start of a frame head that arrived in
+part), :CLOSE when it is to close."
   (let* ((websocket (connection-websocket connection))
          (counters (websocket-counters websocket))
          (buffer (serving-buffer serving))
-         (end (take-pending-bytes connection buffer)))
-    (loop repeat +websocket-reads-per-turn+
-          do (let ((count (receive-bytes connection buffer end (length buffer))))
-               (case count
-                 (:would-block
-                  (when (plusp end)
-                    (setf (connection-pending connection) (subseq buffer 0 end)))
-                  (return :websocket))
-                 ((0 :error) (return (fail-websocket websocket 1006 "")))
-                 (t (incf end count)
-                    (atomic-add (connection-counters-websocket-octets-in counters) count)
-                    (setf (websocket-last-heard websocket) (get-internal-real-time)
-                          (websocket-pinged-p websocket) nil)
-                    (let ((unread (read-frames websocket buffer end)))
-                      (when (eq unread :close)
-                        (return :close))
-                      (replace buffer buffer :start2 unread :end2 end)
-                      (decf end unread)))))
-          finally (when (plusp end)
-                    (setf (connection-pending connection) (subseq buffer 0 end)))
-                  (return :websocket))))
+         (outcome
+           (loop repeat +websocket-reads-per-turn+
+                 do (let ((count (receive-bytes connection buffer end (length buffer))))
+                      (case count
+                        (:would-block (return :websocket))
+                        ((0 :error) (return (fail-websocket websocket 1006 "")))
+                        (t (incf end count)
+                           (atomic-add (connection-counters-websocket-octets-in counters) count)
+                           (setf (websocket-last-heard websocket) (get-internal-real-time)
+                                 (websocket-pinged-p websocket) nil)
+                           (let ((unread (read-frames websocket buffer end)))
+                             (when (eq unread :close)
+                               (return :close))
+                             (replace buffer buffer :start2 unread :end2 end)
+                             (decf end unread)))))
+                 finally (return :websocket))))
+    (when (and (eq outcome :websocket) (plusp end))
+      (setf (connection-pending connection) (subseq buffer 0 end)))
+    outcome))
 
 (defun open-websocket (serving connection end)
   "Make CONNECTION, whose handshake was just answered 101, the websocket of
@@ -270,9 +280,7 @@ what the client has sent.  The turn's outcome."
          (websocket (make-websocket (serving-set serving) connection resource client (serving-acceptor serving))))
     (setf (client-websocket client) websocket
           (connection-websocket connection) websocket)
-    (when (and end (plusp end))
-      (setf (connection-pending connection) (subseq (serving-buffer serving) 0 end)))
     (add-resource-client resource client)
     (if (call-resource websocket 'ws:client-connected resource client)
-        (answer-websocket-frames serving connection)
+        (answer-websocket-frames serving connection (or end 0))
         :close)))
