@@ -227,12 +227,16 @@ true: the most parked connections seen, and the last statistics read."
   (let ((text (http-get port "/pool-stats")))
     (and text (let ((*read-eval* nil)) (read-from-string text)))))
 
-(defun peak-rss-megabytes (pid)
+(defun process-status-number (pid field)
+  "The number after FIELD (\"VmHWM:\", \"Threads:\"...) in /proc/PID/status."
   (with-open-file (in (format nil "/proc/~D/status" pid))
     (loop for line = (read-line in nil)
           while line
-          when (and (> (length line) 6) (string= "VmHWM:" line :end2 6))
-            return (round (parse-integer line :start 6 :junk-allowed t) 1024))))
+          when (eql 0 (search field line))
+            return (parse-integer line :start (length field) :junk-allowed t))))
+
+(defun peak-rss-megabytes (pid)
+  (round (process-status-number pid "VmHWM:") 1024))
 
 (defun run-connection-load (&key (mode :keep-alive) (connections 10000) (seconds 60) core)
   "Start the server, hold the load for SECONDS, print the findings.  True

@@ -236,28 +236,14 @@ echo clients' messages when due."
 
 ;;; The phases.
 
-(defun rss-megabytes (pid &optional (field "VmRSS:"))
-  (with-open-file (in (format nil "/proc/~D/status" pid))
-    (loop for line = (read-line in nil)
-          while line
-          when (eql 0 (search field line))
-            return (/ (parse-integer line :start (length field) :junk-allowed t) 1024.0))))
-
-(defun process-threads (pid)
-  (with-open-file (in (format nil "/proc/~D/status" pid))
-    (loop for line = (read-line in nil)
-          while line
-          when (eql 0 (search "Threads:" line))
-            return (parse-integer line :start 8 :junk-allowed t))))
-
 (defun server-rss-after-gc (port pid)
   (http-get port "/gc")
-  (rss-megabytes pid))
+  (/ (process-status-number pid "VmRSS:") 1024.0))
 
 (defun worker-threads (port pid)
   "Ours: the pool's worker threads; the peer: every thread of its process."
   (let ((statistics (server-pool-statistics port)))
-    (or (getf statistics :threads) (process-threads pid))))
+    (or (getf statistics :threads) (process-status-number pid "Threads:"))))
 
 (defun broadcast-phase (load clients)
   "One of CLIENTS broadcasts; milliseconds until every one had it (NIL if some never did within 10 s)."
