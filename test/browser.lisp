@@ -13,13 +13,21 @@
   (find-if (lambda (name) (ignore-errors (uiop:run-program (list "which" name) :output nil) t))
            '("chromium" "chromium-browser")))
 
-(defun launch-chromium (program debugging-port profile-directory)
+(defun launch-chromium (program debugging-port profile-directory log)
+  "Headless Chromium with its DevTools on DEBUGGING-PORT, writing what it
+says to LOG."
   (uiop:launch-program
    (list program "--headless=new" "--no-sandbox" "--disable-gpu" "--no-first-run"
          (format nil "--remote-debugging-port=~D" debugging-port)
          (format nil "--user-data-dir=~A" profile-directory)
          "about:blank")
-   :output nil :error-output nil))
+   :output log :error-output :output :if-output-exists :supersede))
+
+(defun log-tail (log &optional (count 15))
+  "The last COUNT lines of the file LOG, for a failure's message: what
+Chromium or the demo said when a step did not happen."
+  (let ((lines (ignore-errors (uiop:read-file-lines log))))
+    (format nil "~{~&  ~A~}" (last lines count))))
 
 (defun port-listening-p (port)
   (let ((socket (ignore-errors (connect-to-port port))))
@@ -34,7 +42,11 @@
     (and match (cl-ppcre:regex-replace-all "\\\\([\"\\\\])" (aref match 0) "\\1"))))
 
 (defun open-devtools-page (debugging-port url)
-  "A websocket to the DevTools endpoint of a new page showing URL."
+  "A websocket to the DevTools endpoint of a new page showing URL, or NIL
+when Chromium does not open one."
+  (ignore-errors (open-devtools-page-or-fail debugging-port url)))
+
+(defun open-devtools-page-or-fail (debugging-port url)
   (let* ((json (drakma:http-request (format nil "http://127.0.0.1:~D/json/new?~A" debugging-port url)
                                     :method :put))
          (endpoint (json-string-field (if (stringp json) json (flex:octets-to-string json)) "webSocketDebuggerUrl"))
@@ -71,22 +83,30 @@ quote or backslash, evaluated in the page SOCKET speaks to."
              (debugging-port (free-port))
              (profile (format nil "/tmp/hrt-chromium-~36R/" (random (expt 2 40))))
              (demo-log (format nil "~Ademo.log" profile))
+             (chromium-log (format nil "~Achromium.log" profile))
              (demo (progn (ensure-directories-exist profile) (launch-demo port demo-log)))
              (chromium nil)
              (pages '()))
         (unwind-protect
              (progn
-               (is (not (null demo)) "the demo serves")
-               (setf chromium (launch-chromium program debugging-port profile))
-               (is (wait-until (lambda () (port-listening-p debugging-port)) :timeout 60)
-                   "chromium listens for DevTools")
+               (is (not (null demo)) "the demo serves; it said:~A" (log-tail demo-log))
+               (setf chromium (launch-chromium program debugging-port profile chromium-log))
+               (is (wait-until (lambda () (port-listening-p debugging-port)) :timeout 120)
+                   "chromium listens for DevTools; it said:~A" (log-tail chromium-log))
                (let ((url (format nil "http://127.0.0.1:~D/chat.html" port)))
-                 (setf pages (list (open-devtools-page debugging-port url) (open-devtools-page debugging-port url))))
-               (is (every #'identity pages) "two pages open")
+                 (flet ((page ()
+                          (let ((socket nil))
+                            (wait-until (lambda () (setf socket (open-devtools-page debugging-port url)))
+                                        :timeout 30 :interval 0.5)
+                            socket)))
+                   (setf pages (list (page) (page)))))
+               (is (every #'identity pages) "two pages open; chromium said:~A" (log-tail chromium-log))
                (when (every #'identity pages)
                  (destructuring-bind (one two) pages
-                   (is (page-text-eventually one "document.getElementById('status').textContent" "Connected"))
-                   (is (page-text-eventually two "document.getElementById('status').textContent" "Connected"))
+                   (is (page-text-eventually one "document.getElementById('status').textContent" "Connected")
+                       "page one connects; the demo said:~A" (log-tail demo-log))
+                   (is (page-text-eventually two "document.getElementById('status').textContent" "Connected")
+                       "page two connects; the demo said:~A" (log-tail demo-log))
                    (evaluate-in-page one "(document.getElementById('text').value = 'hello from page one', document.getElementById('form').requestSubmit(), 1)")
                    (is (page-text-eventually two "document.getElementById('messages').textContent" "hello from page one")
                        "the message reached the other page")

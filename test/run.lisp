@@ -41,7 +41,7 @@ for want of the libraries, and true when it failed in some other way."
                  nil)
       (progn
         (load-systems-quietly "hunchentoot-recycling-taskmaster/test")
-        (multiple-value-bind (all-passed passed failed)
+        (multiple-value-bind (all-passed passed failed failure-lines)
             (uiop:symbol-call '#:hunchentoot-recycling-taskmaster-test '#:run-tests suite
                               (when (string-equal suite "ALL") "main"))
           (when (string-equal suite "ALL")
@@ -51,6 +51,8 @@ for want of the libraries, and true when it failed in some other way."
               (incf passed (or compatibility-passed 0))
               (incf failed (+ (or compatibility-failed 0) (if broken 1 0)))
               (setf all-passed (zerop failed))
+              (when failure-lines
+                (format t "~&Failed checks of the main run (each explained above):~%~{  ~A~%~}" failure-lines))
               (format t "~&~D passed, ~D failed~%" passed failed)))
           ;; The summary is printed and flushed, so exit at once instead of
           ;; through SBCL's exit protocol (unwind, stop the finalizer, join

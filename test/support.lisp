@@ -189,10 +189,22 @@ NIL (it is ended)."
 
 ;;; The runner.
 
+(defun failure-lines (results)
+  "One line for each failed check in RESULTS: the test's name and the first
+line of the reason, shortened to 300 characters."
+  (loop for result in results
+        unless (typep result 'fiveam::test-passed)
+          collect (let ((reason (or (ignore-errors (princ-to-string (fiveam::reason result))) "")))
+                    (format nil "~A: ~A"
+                            (ignore-errors (fiveam::name (fiveam::test-case result)))
+                            (subseq reason 0 (min 300 (or (position #\Newline reason) (length reason))))))))
+
 (defun run-tests (&optional (suite-name "ALL") label)
   "Run the suite named SUITE-NAME (default every test); print one closing line
 \"N passed, M failed\", after LABEL and a colon when given.  True when none
-failed; second and third values, the checks passed and failed."
+failed; second and third values, the checks passed and failed; fourth, a
+line for each failed check (FAILURE-LINES), which the runner prints again
+beside the closing line, where a CI log's excerpt will show them."
   (let* ((results (let ((*print-names* t))
                     (run (intern (string-upcase suite-name) '#:hunchentoot-recycling-taskmaster-test))))
          (passed (count-if (lambda (result) (typep result 'fiveam::test-passed)) results))
@@ -200,4 +212,4 @@ failed; second and third values, the checks passed and failed."
     (explain! results)
     (format t "~&~@[~A: ~]~D passed, ~D failed~%" label passed failed)
     (finish-output)
-    (values (zerop failed) passed failed)))
+    (values (zerop failed) passed failed (failure-lines results))))
