@@ -13,6 +13,7 @@
 # make bench-sessions    a handler reading and writing a session value, sessions in the process and in PostgreSQL
 # make bench-websockets  10,000 idle websockets, a broadcast, 1,000 echo clients for 60 s, a client that reads nothing; ours and hunchensocket
 # make bench-https       GET /yo over TLS, kept alive and a new TLS connection per request, ours, Hunchentoot's and nginx
+# make bench-threaded-floor  the 1 ms handler cells for a bare server of 100 threads, ours and nginx: what threads can do here
 # Each target installs the Debian packages it needs first (make deps).
 
 PORT ?= 4242
@@ -28,11 +29,11 @@ TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd postgresql nginx
                 cl-puri cl-iterate cl-split-sequence cl-trivial-utf-8 cl-global-vars \
                 cl-trivial-garbage cl-trivial-features chromium
 # Woo, a benchmark peer built from ../shared/vendor, needs libev4 and these.
-BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox procps curl openssl postgresql strace \
+BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox procps curl openssl postgresql strace linux-perf \
                  libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \
                  cl-trivial-gray-streams cl-alexandria cl-global-vars cl-trivial-garbage
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-https bench-websockets
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-https bench-websockets bench-threaded-floor
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -93,3 +94,6 @@ bench-https: bench-deps
 
 bench-websockets: bench-deps
 	bench/run websockets
+
+bench-threaded-floor: bench-deps
+	bench/run threaded-floor

@@ -164,7 +164,8 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "scale")
                (:file "chunked-body")
                (:file "sessions")
-               (:file "websockets")))
+               (:file "websockets")
+               (:file "threaded-floor")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
   :description "The demo server that `make run` starts."

@@ -11,7 +11,8 @@
     (:name "nginx" :label "nginx, 2 workers" :nginx t))
   "The servers measured, in table and chart order.  The first is the baseline
 that every ratio is taken against.  A :LISP server is a kind that SERVE
-starts in a process of its own; :NGINX runs Debian's nginx.")
+starts in a process of its own; :NGINX runs Debian's nginx; a server with
+:LAUNCH is started by that function, called as LAUNCH-SERVER is.")
 
 (defparameter *static-files*
   '(("1k.html" . 1024) ("1m.bin" . 1048576))
@@ -153,6 +154,8 @@ to SERVE (ours only)."
      (launch-nginx port :log-file log-file :delay-ms delay-ms))
     ((getf server :peer)
      (launch-peer server port delay-ms log-file))
+    ((getf server :launch)
+     (funcall (getf server :launch) port delay-ms core log-file))
     (t
      (uiop:launch-program
       (list "sbcl" "--core" (or (getf server :core) core) "--noinform" "--non-interactive" "--disable-debugger"
