@@ -66,10 +66,30 @@ START-OUTPUT clears it when the reply keeps the connection alive."
 (defun (setf finish-processing-connection-p) (value)
   (setf hunchentoot::*finish-processing-socket* value))
 
-(defun call-with-request-counted (acceptor function)
-  "Call FUNCTION with ACCEPTOR's count of requests in progress raised, as
-Hunchentoot's own connection loop does."
-  (hunchentoot::do-with-acceptor-request-count-incremented acceptor function))
+(defun requests-in-progress-location (acceptor)
+  "The location (SB-MOP:STANDARD-INSTANCE-ACCESS) of ACCEPTOR's count of
+requests in progress, the slot Hunchentoot's ACCEPTOR-REQUESTS-IN-PROGRESS
+reads, as ACCEPTOR's class is now."
+  (instance-slot-location (find 'hunchentoot::requests-in-progress
+                                (instance-slots (finalized-class (class-of acceptor)))
+                                :key #'instance-slot-name)))
+
+(defun add-to-requests-in-progress (acceptor location amount)
+  "Add AMOUNT to ACCEPTOR's count of requests in progress, at LOCATION, by
+compare-and-swap."
+  (loop for old = (instance-slot-value acceptor location)
+        until (compare-and-swap (instance-slot-value acceptor location) old (+ old amount))))
+
+(defun call-with-request-counted (acceptor location function)
+  "Call FUNCTION with ACCEPTOR's count of requests in progress (at LOCATION)
+raised, as Hunchentoot's own connection loop does, but without the
+acceptor's shutdown lock, which every worker would take twice a request
+(bench/profiles/2026-11-24-threaded-floor.txt).  Hunchentoot's soft STOP
+waits on that lock's condition variable for the count to fall to zero; a
+parallel acceptor's STOP waits for its workers instead (pool/lifecycle.lisp)."
+  (add-to-requests-in-progress acceptor location 1)
+  (unwind-protect (funcall function)
+    (add-to-requests-in-progress acceptor location -1)))
 
 (defun content-type-charset (content-type)
   "The charset parameter of the Content-Type header value CONTENT-TYPE when

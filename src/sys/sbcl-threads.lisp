@@ -44,8 +44,8 @@ does not do by itself."
   `(sb-ext:atomic-decf ,place))
 
 (defmacro compare-and-swap (place old new)
-  "Set PLACE, a structure slot of type T or WORD, to NEW if it is EQ to OLD.
-True when it was."
+  "Set PLACE, a structure slot of type T or WORD or an INSTANCE-SLOT-VALUE,
+to NEW if it is EQ to OLD.  True when it was."
   (let ((old-value (gensym "OLD")))
     `(let ((,old-value ,old))
        (eq ,old-value (sb-ext:compare-and-swap ,place ,old-value ,new)))))

@@ -90,11 +90,22 @@ CR, LF or NUL (REFUSE-UNSAFE-HEADER-VALUES)."
   "The text a header's VALUE is written as."
   (if (stringp value) value (princ-to-string value)))
 
+(declaim (inline unsafe-header-char-p))
+(defun unsafe-header-char-p (char)
+  (or (char= char #\Return) (char= char #\Linefeed) (char= char #\Nul)))
+
 (defun unsafe-header-text-p (text)
   "True when TEXT has a CR, LF or NUL: written in a header, the line would
 end there and the rest read as another header or the body (RFC 9112 2.2)."
   (declare (type string text))
-  (find-if (lambda (char) (or (char= char #\Return) (char= char #\Linefeed) (char= char #\Nul))) text))
+  ;; A loop for each kind of simple string, which are what handlers give:
+  ;; FIND-IF on a string of unknown kind cost 4% of a 0 ms request.
+  (macrolet ((scan (type)
+               `(loop for char across (the ,type text) thereis (unsafe-header-char-p char))))
+    (typecase text
+      ((simple-array character (*)) (scan (simple-array character (*))))
+      (simple-base-string (scan simple-base-string))
+      (t (scan string)))))
 
 (defun refuse-unsafe-header-values (reply)
   "Signal HEADER-VALUE-REFUSED for the first of REPLY's headers or cookies

@@ -107,6 +107,15 @@ with an error reply instead of reaching a handler."))
           do (setf (schar string position) (code-char (aref buffer index))))
     string))
 
+(declaim (inline octet-position))
+(defun octet-position (octet buffer start end)
+  "The index of the first OCTET in BUFFER from START below END, or NIL: a
+loop the compiler open-codes, where POSITION called a generic search with
+EQL (5% of a 0 ms request)."
+  (declare (type (unsigned-byte 8) octet) (type octets buffer) (type fixnum start end))
+  (loop for index of-type fixnum from start below end
+        when (= (aref buffer index) octet) return index))
+
 (defun make-name-scratch ()
   "A string for HEAD-SYMBOL to spell names in, reused from name to name, so
 that a name that is a keyword costs no allocation: each worker keeps one."
@@ -178,7 +187,8 @@ conforms to); refuses another major version with 505, anything else with
 BUFFER from START below END.  Refuses a malformed line with 400, a method
 over +MAX-METHOD-OCTETS+ with 501 (RFC 9110 9.1: not implemented), another
 HTTP version with 505."
-  (let ((method-end (or (position 32 buffer :start start :end end) end)))
+  (declare (type octets buffer) (type fixnum start end))
+  (let ((method-end (or (octet-position 32 buffer start end) end)))
     (when (or (= method-end start) (= method-end end)
               (not (loop for index from start below method-end
                          always (token-octet-p (aref buffer index)))))
@@ -186,7 +196,7 @@ HTTP version with 505."
     (when (> (- method-end start) +max-method-octets+)
       (refuse-head 501))
     (let* ((uri-start (1+ method-end))
-           (uri-end (or (position 32 buffer :start uri-start :end end) end))
+           (uri-end (or (octet-position 32 buffer uri-start end) end))
            (protocol-start (1+ uri-end)))
       (when (or (= uri-start uri-end) (>= uri-end end)
                 (not (loop for index from uri-start below uri-end
@@ -215,12 +225,13 @@ second Host is refused (RFC 9112 3.2)."
 request line) below END (the blank line's LF).  Refuses with 400 a
 line that is not NAME: VALUE, a name followed by whitespace before its colon,
 a folded line, or a control character in a value."
+  (declare (type octets buffer) (type fixnum start end))
   (loop with headers = '()
         for line-start = start then (1+ lf-position)
-        for lf-position = (position +lf+ buffer :start line-start :end end)
+        for lf-position = (octet-position +lf+ buffer line-start end)
         while lf-position
         do (let* ((line-end (line-end-before-lf buffer line-start lf-position))
-                  (colon (position 58 buffer :start line-start :end line-end)))
+                  (colon (octet-position 58 buffer line-start line-end)))
              (when (or (null colon) (= colon line-start)
                        (not (loop for index from line-start below colon
                                   always (token-octet-p (aref buffer index)))))
@@ -266,7 +277,8 @@ which this server does not decode (6.1)."
 
 (defun reg-name-char-p (char)
   "RFC 3986 reg-name and IPv4address characters: unreserved, pct-encoded and sub-delims."
-  (or (alphanumericp char) (find char "-._~%!$&'()*+,;=")))
+  (or (alphanumericp char)
+      (case char ((#\- #\. #\_ #\~ #\% #\! #\$ #\& #\' #\( #\) #\* #\+ #\, #\; #\=) t))))
 
 (defun valid-authority-p (authority)
   "True when AUTHORITY is uri-host [\":\" port] (RFC 9110 7.2), the empty

@@ -110,7 +110,10 @@ SEND-RESPONSE does.  Returns the REPLY-HEAD."
       (unless (typep reply 'parallel-reply)
         (refuse-unsafe-header-values reply))
       (hunchentoot:acceptor-log-access hunchentoot:*acceptor* :return-code return-code)
-      (hunchentoot:raw-post-data :force-binary t)
+      ;; Hunchentoot reads what is left of the body here; a request without
+      ;; one leaves nothing to read, and asking cost a percent of a request.
+      (when (request-has-body-p (hunchentoot:headers-in request))
+        (hunchentoot:raw-post-data :request request :force-binary t))
       (push-reply-head return-code headers head '()))
     head))
 

@@ -79,7 +79,8 @@ body refused before the reply began)."
                                          (connection-addresses connection) content-stream))))
                    ;; On the stack: a closure made for every request.
                    (declare (dynamic-extent #'process-request))
-                   (call-with-request-counted acceptor #'process-request)))
+                   (call-with-request-counted acceptor (serving-requests-in-progress-location serving)
+                                              #'process-request)))
                (finish-output (current-connection-stream))
                (setf (current-connection-stream)
                      (hunchentoot:reset-connection-stream acceptor (current-connection-stream)))

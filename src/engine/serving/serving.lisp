@@ -30,6 +30,9 @@
   ;; The acceptor's server name, asked once: Hunchentoot formats it anew at
   ;; every call.
   (server-header-value nil :read-only t)
+  ;; Where the acceptor keeps Hunchentoot's count of requests in progress
+  ;; (REQUESTS-IN-PROGRESS-LOCATION): counted there by compare-and-swap.
+  (requests-in-progress-location nil :read-only t)
   ;; While a request on a plain connection is answered, that CONNECTION: a
   ;; reply written as pieces may then be left to the engine.  NIL otherwise.
   (reply-connection nil)
@@ -63,4 +66,5 @@ pipelined requests."
                    :buffer (make-array (head-buffer-bytes acceptor) :element-type '(unsigned-byte 8))
                    :constructors (engine-object-constructors engine)
                    :keep-alive-header-value (format nil "timeout=~D" (floor (acceptor-keep-alive-timeout acceptor)))
-                   :server-header-value (acceptor-server-name acceptor))))
+                   :server-header-value (acceptor-server-name acceptor)
+                   :requests-in-progress-location (requests-in-progress-location acceptor))))
