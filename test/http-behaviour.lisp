@@ -68,6 +68,16 @@
   (setf (ht:content-type*) "text/plain; charset=utf-8")
   (format nil "こんにちは、~A" name))
 
+;; Hunchentoot's count of requests in progress, read from its slot: the
+;; reader is ACCESSOR-REQUESTS-IN-PROGRESS in 1.2 and
+;; ACCEPTOR-REQUESTS-IN-PROGRESS from 1.3.
+(defun requests-in-progress (acceptor)
+  (slot-value acceptor 'ht::requests-in-progress))
+
+(ht:define-easy-handler (test-requests-in-progress :uri "/test/requests-in-progress") ()
+  (setf (ht:content-type*) "text/plain")
+  (princ-to-string (requests-in-progress ht:*acceptor*)))
+
 ;;; Running every test against every acceptor class.
 
 (defvar *server* nil "The server the current HTTP behaviour test talks to.")
@@ -181,6 +191,13 @@ with *SERVER* bound to a started server of that class."
 (define-http-test http.handler-error-answers-500 ()
   (is (eql 500 (http-get *server* "/test/error")))
   (is (eql 200 (http-get *server* "/test/params")) "the server goes on serving"))
+
+(define-http-test http.requests-in-progress-counted ()
+  (is (equal '(200 "1") (multiple-value-list (http-get *server* "/test/requests-in-progress")))
+      "a handler counts itself in progress")
+  (is (eql 500 (http-get *server* "/test/error")))
+  (is (wait-until (lambda () (zerop (requests-in-progress *server*))))
+      "none in progress once answered, a failed handler's included"))
 
 (define-http-test http.large-reply-body ()
   (multiple-value-bind (status body) (http-get *server* "/test/large" :force-binary t)
