@@ -86,10 +86,15 @@ raised, as Hunchentoot's own connection loop does, but without the
 acceptor's shutdown lock, which every worker would take twice a request
 (bench/profiles/2026-11-24-threaded-floor.txt).  Hunchentoot's soft STOP
 waits on that lock's condition variable for the count to fall to zero; a
-parallel acceptor's STOP waits for its workers instead (pool/lifecycle.lisp)."
+parallel acceptor's STOP waits for its workers instead (pool/lifecycle.lisp),
+so the lock is taken only once STOP has begun."
   (add-to-requests-in-progress acceptor location 1)
   (unwind-protect (funcall function)
-    (add-to-requests-in-progress acceptor location -1)))
+    (add-to-requests-in-progress acceptor location -1)
+    ;; As Hunchentoot does, for a STOP of its own that a mixin may run.
+    (when (acceptor-shutting-down-p acceptor)
+      (bt:with-lock-held ((hunchentoot::acceptor-shutdown-lock acceptor))
+        (bt:condition-notify (hunchentoot::acceptor-shutdown-queue acceptor))))))
 
 (defun content-type-charset (content-type)
   "The charset parameter of the Content-Type header value CONTENT-TYPE when
