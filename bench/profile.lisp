@@ -96,7 +96,8 @@ nothing (perf missing, or not allowed to count)."
 (defun count-system-calls (pid seconds load)
   "Call LOAD while the system calls of process PID are counted, for about
 SECONDS: the counts as READ-PERF-COUNTS gives them and the tool that
-counted (:PERF, or :STRACE where perf cannot), or NIL."
+counted (:PERF, or :STRACE where perf cannot, LOAD then called again), or
+NIL."
   (uiop:with-temporary-file (:pathname output)
     (flet ((count-with (command reader &optional stop)
              (let ((counter (ignore-errors (uiop:launch-program command :output nil :error-output nil))))
@@ -125,13 +126,19 @@ values for the calls when neither perf nor strace could count."
     (unwind-protect
          (when (wait-until-serving port)
            (wrk port workload 2)
-           (let ((before (lisp-counters port t))
+           (let ((before nil)
                  (after nil))
-             (multiple-value-bind (counts tool)
-                 (count-system-calls (uiop:process-info-pid process) seconds
-                                     (lambda ()
-                                       (wrk port workload seconds)
-                                       (setf after (lisp-counters port nil))))
+             ;; The counters are read around each load: where perf runs and
+             ;; counts nothing, the load runs again under strace; where
+             ;; neither can count, it runs once uncounted.
+             (flet ((load-server ()
+                      (setf before (lisp-counters port t))
+                      (wrk port workload seconds)
+                      (setf after (lisp-counters port nil))))
+               (multiple-value-bind (counts tool)
+                   (count-system-calls (uiop:process-info-pid process) seconds #'load-server)
+                 (unless after
+                   (load-server))
                (let ((served (- (getf after :requests) (getf before :requests))))
                  (when (plusp served)
                    (list :requests served
@@ -142,7 +149,7 @@ values for the calls when neither perf nor strace could count."
                                       unless (string= name "all")
                                         collect (cons name (/ count served)))
                          :bytes-consed-per-request (round (- (getf after :consed) (getf before :consed))
-                                                          served)))))))
+                                                          served))))))))
       (stop-server process))))
 
 (defun append-request-costs (directory core)

@@ -16,7 +16,8 @@
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
 (defun floor-reply (close)
-  "The fixed reply of the threaded floor, as ours sends it for /yo."
+  "The fixed reply of the threaded floor: ours' reply to /yo without its
+Date, Server and Keep-Alive headers."
   (flex:string-to-octets
    (format nil "HTTP/1.1 200 OK~C~CContent-Length: 4~C~CContent-Type: text/plain~C~C~:[~;Connection: close~C~C~]~C~CHey!"
            #\Return #\Newline #\Return #\Newline #\Return #\Newline close #\Return #\Newline #\Return #\Newline)
