@@ -39,6 +39,8 @@ bytes, with acceptors that use it by default."
                                             (:file "lifecycle")
                                             (:file "statistics")))
                (:module "engine/http" :serial t :components ((:file "range-header")
+                                                   (:file "known-names")
+                                                   (:file "authority")
                                                    (:file "request-head")
                                                    (:file "refusal-replies")
                                                    (:file "chunk-framing")

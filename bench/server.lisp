@@ -18,17 +18,32 @@
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
 (defstruct (counters (:conc-name counter-))
-  (requests 0 :type sb-ext:word)
+  ;; Requests to /yo, counted in stripes (COUNT-REQUEST).
+  (request-stripes (make-array (* 16 8) :element-type 'sb-ext:word :initial-element 0)
+   :type (simple-array sb-ext:word (*)) :read-only t)
   (peak-threads 0 :type fixnum))
 
 (defvar *counters* (make-counters))
+
+(defun count-request ()
+  "Count a /yo request in the stripe of the calling thread (one of 16, each
+on a cache line of its own): a word every thread incremented moved between
+the processors' caches at every request, 2.6% of the server's time at a
+0 ms handler, and what measures should weigh as little as it can on what it
+measures."
+  (sb-ext:atomic-incf (aref (counter-request-stripes *counters*)
+                            (* 8 (ldb (byte 4 0) (sb-thread:thread-os-tid sb-thread:*current-thread*))))))
+
+(defun counter-requests (counters)
+  "The requests to /yo COUNTERS have counted."
+  (loop for stripe below 16 sum (aref (counter-request-stripes counters) (* 8 stripe))))
 
 (defvar *handler-delay* nil
   "Seconds each /yo request sleeps, or NIL for a handler that never calls SLEEP.")
 
 (defun hey ()
   "The /yo handler body: count the request, sleep if the workload says so."
-  (sb-ext:atomic-incf (counter-requests *counters*))
+  (count-request)
   (when *handler-delay*
     (sleep *handler-delay*))
   "Hey!")

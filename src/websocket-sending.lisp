@@ -12,7 +12,7 @@ caller takes it, sends, and parks it again, or closes it when it is to
 close.  When another thread holds it, that thread sends before parking."
   (let ((set (websocket-set websocket))
         (connection (websocket-connection websocket)))
-    (when (take-parked-connection set connection)
+    (when (take-parked-connection connection)
       (unless (eq (park-websocket websocket) t)
         (close-connection set connection)))))
 

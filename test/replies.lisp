@@ -113,6 +113,11 @@ each sent on a connection of its own."
                       (crlf-lines "POST /test/body HTTP/1.1" "Host: localhost" "Content-Length: 5" "")
                       "hello"))))
 
+(test replies.header-names-as-chunga-writes-them
+  (dolist (name '(:content-length :content-type :date :server :connection :keep-alive :set-cookie :x-made-up))
+    (is (string= (chunga:as-capitalized-string name) (hunchentoot-recycling-taskmaster::header-name-text name))
+        "~S" name)))
+
 (test replies.handler-error-page-is-the-same
   (let ((ht:*show-lisp-errors-p* nil))
     (check-same-replies (list (get-request "/test/error")))))

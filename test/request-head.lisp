@@ -191,6 +191,19 @@ headers, method, URI, protocol; or the status code alone."
     (is (equal `((:x-name . ,cafe))
                (first (parse-head "GET / HTTP/1.0" (format nil "X-Name: ~A" cafe)))))))
 
+(test head.known-names-are-found-in-any-case
+  (is (equal '((:user-agent . "w") (:content-type . "t") (:x-forwarded-for . "f") (:host . "x"))
+             (first (parse-head "POST / HTTP/1.1" "user-agent: w" "CONTENT-TYPE: t" "X-Forwarded-For: f"
+                                "hOsT: x"))))
+  (destructuring-bind (headers method &rest rest) (parse-head "DELETE / HTTP/1.1" "Hosu: x" "Host: y")
+    (declare (ignore rest))
+    (is (eq :delete method))
+    (is (string= "HOSU" (symbol-name (car (first headers)))) "a name as long as a known one is not taken for it")
+    (is (not (eq :host (car (first headers)))))
+    (is (eq :host (car (second headers)))))
+  (is (string= "DELETe" (symbol-name (second (parse-head "DELETe / HTTP/1.1" "Host: x"))))
+      "a method is found by its exact spelling"))
+
 (test head.made-up-names-are-not-interned
   (let* ((header-name (format nil "X-Made-Up-~36R" (random (expt 2 64))))
          (method-name (format nil "FROB~36R" (random (expt 2 64))))

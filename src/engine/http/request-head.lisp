@@ -139,21 +139,25 @@ uninterned symbol of the same name.  Interning every name a client makes up
 would grow the keyword package without bound (Hunchentoot issue #24);
 HUNCHENTOOT:HEADER-IN still finds an uninterned name when given a string,
 and a keyword exists for every name that code mentions."
-  (let ((name (name-scratch scratch (- end start))))
-    (loop for index from start below end
-          for position from 0
-          do (setf (char name position) (let ((char (code-char (aref buffer index))))
-                                          (if upcase (char-upcase char) char))))
-    (or (find-symbol name "KEYWORD") (make-symbol (coerce name 'simple-base-string)))))
+  (declare (type octets buffer) (type fixnum start end))
+  (or (known-name buffer start end (if upcase *known-header-names* *known-methods*) upcase)
+      (let ((name (name-scratch scratch (- end start))))
+        (loop for index from start below end
+              for position from 0
+              do (setf (char name position) (let ((char (code-char (aref buffer index))))
+                                              (if upcase (char-upcase char) char))))
+        (or (find-symbol name "KEYWORD") (make-symbol (coerce name 'simple-base-string))))))
 
 (defun line-end-before-lf (buffer line-start lf-position)
   "The end of the line whose LF is at LF-POSITION, without its CR."
+  (declare (type octets buffer) (type fixnum line-start lf-position))
   (if (and (> lf-position line-start) (= (aref buffer (1- lf-position)) +cr+))
       (1- lf-position)
       lf-position))
 
 (defun trim-field (buffer start end)
   "START and END of the field from START below END without surrounding spaces and tabs."
+  (declare (type octets buffer) (type fixnum start end))
   (loop while (and (< start end) (member (aref buffer start) '(9 32))) do (incf start))
   (loop while (and (< start end) (member (aref buffer (1- end)) '(9 32))) do (decf end))
   (values start end))
@@ -163,6 +167,7 @@ and a keyword exists for every name that code mentions."
 RFC 9112 2.3 asks (a recipient processes it as the highest minor version it
 conforms to); refuses another major version with 505, anything else with
 400."
+  (declare (type octets buffer) (type fixnum start end))
   (flet ((digit-at (offset)
            (let ((octet (aref buffer (+ start offset))))
              (and (<= 48 octet 57) (- octet 48)))))
@@ -212,7 +217,10 @@ HTTP version with 505."
 commas, as Hunchentoot (through Chunga) does; two Content-Length headers
 must agree, or the head is refused as a smuggling attempt (400), and a
 second Host is refused (RFC 9112 3.2)."
-  (let ((existing (assoc (symbol-name name) headers :key #'symbol-name :test #'string=)))
+  (let ((existing (if (symbol-package name)
+                      ;; A keyword: any earlier header of that name has it.
+                      (assoc name headers :test #'eq)
+                      (assoc (symbol-name name) headers :key #'symbol-name :test #'string=))))
     (cond ((null existing) (cons (cons name value) headers))
           ((eq name :content-length)
            (if (string= (cdr existing) value) headers (refuse-head 400)))
@@ -275,41 +283,6 @@ which this server does not decode (6.1)."
                (refuse-head 400))
               ((rest codings) (refuse-head 501)))))))
 
-(defun reg-name-char-p (char)
-  "RFC 3986 reg-name and IPv4address characters: unreserved, pct-encoded and sub-delims."
-  (or (alphanumericp char)
-      (case char ((#\- #\. #\_ #\~ #\% #\! #\$ #\& #\' #\( #\) #\* #\+ #\, #\; #\=) t))))
-
-(defun valid-authority-p (authority)
-  "True when AUTHORITY is uri-host [\":\" port] (RFC 9110 7.2), the empty
-string included: a bracketed IP literal of hex digits, colons and dots, or
-reg-name characters; then, optionally, a colon and digits.  Conses nothing:
-it runs for every request."
-  (flet ((all (predicate start end)
-           (loop for index from start below end
-                 always (funcall predicate (char authority index)))))
-    (let* ((length (length authority))
-           (host-end (if (and (plusp length) (char= (char authority 0) #\[))
-                         (let ((close (position #\] authority)))
-                           (and close
-                                (all (lambda (char) (or (digit-char-p char 16) (find char ":."))) 1 close)
-                                (1+ close)))
-                         (let ((colon (or (position #\: authority) length)))
-                           (and (all #'reg-name-char-p 0 colon) colon)))))
-      (and host-end
-           (or (= host-end length)
-               (and (char= (char authority host-end) #\:)
-                    (all #'digit-char-p (1+ host-end) length)))))))
-
-(defun absolute-form-authority (uri)
-  "The authority of URI when it is in absolute form (RFC 9112 3.2.2), else NIL."
-  (let ((scheme-end (search "://" uri)))
-    (when (and scheme-end
-               (member (subseq uri 0 scheme-end) '("http" "https") :test #'string-equal))
-      (let* ((start (+ scheme-end 3))
-             (end (or (position-if (lambda (char) (find char "/?#")) uri :start start) (length uri))))
-        (subseq uri start end)))))
-
 (defun check-host (headers uri protocol)
   "HEADERS with the Host the request names: RFC 9112 3.2 refuses with 400 an
 HTTP/1.1 request without Host (a second Host is refused as it is read) or
@@ -347,6 +320,7 @@ Signals REQUEST-HEAD-REFUSED with 400 for a malformed head, an ambiguous
 body length or a missing or invalid Host, 501 for a transfer coding other
 than chunked or an over-long method, 505 for another HTTP version.  An
 invalid Range header is left out."
+  (declare (type octets buffer) (type fixnum request-start request-line-end head-end))
   (multiple-value-bind (method uri protocol)
       (parse-request-line buffer request-start (line-end-before-lf buffer request-start request-line-end) scratch)
     (let* ((blank-line-start (if (= (aref buffer (- head-end 2)) +cr+) (- head-end 2) (1- head-end)))

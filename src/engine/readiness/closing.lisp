@@ -84,14 +84,14 @@ its client stopped taking."
     (map-parked-connections
      set (lambda (connection)
            (when (and (<= (connection-deadline connection) now)
-                      (take-parked-connection set connection))
+                      (take-parked-connection connection))
              (end-parked-connection set connection))))))
 
 (defun close-parked-connections (set)
   "Close every parked connection at once, for HUNCHENTOOT:STOP."
   (map-parked-connections
    set (lambda (connection)
-         (when (take-parked-connection set connection)
+         (when (take-parked-connection connection)
            (close-connection set connection)))))
 
 (defun close-every-connection (set)

@@ -13,7 +13,7 @@ be armed."
         ((park-connection set connection deadline)
          ;; HUNCHENTOOT:STOP sets its flag, then closes what is parked.
          (memory-barrier)
-         (when (and (stopping-p engine) (take-parked-connection set connection))
+         (when (and (stopping-p engine) (take-parked-connection connection))
            (close-connection set connection)))
         (t (close-connection set connection))))
 

@@ -51,8 +51,6 @@
   (refusal-logger (constantly nil) :type function :read-only t)
   ;; Connections in the table, held by workers or parked.
   (connection-count 0 :type fixnum)
-  ;; Connections parked now.
-  (parked-count 0 :type word)
   ;; Connections whose reply is left to send, parked or being sent.
   (outgoing-count 0 :type word)
   ;; Connections whose request body is arriving, parked or being read.
@@ -62,12 +60,15 @@
   ;; Connections that are open websockets.
   (websocket-count 0 :type word)
   ;; The engine's CONNECTION-COUNTERS, which this set counts into.
-  (counters nil :type connection-counters :read-only t))
+  (counters nil :type connection-counters :read-only t)
+  ;; Workers that have served from this set: the next one counts its
+  ;; requests in stripe (mod this +REQUEST-COUNT-STRIPES+).
+  (counting-workers 0 :type word))
 
 (defmethod print-object ((set readiness-set) stream)
   (print-unreadable-object (set stream :type t :identity t)
     (format stream "epoll fd ~D, ~D connections, ~D parked"
-            (readiness-set-epoll-fd set) (readiness-set-connection-count set) (readiness-set-parked-count set))))
+            (readiness-set-epoll-fd set) (readiness-set-connection-count set) (parked-connection-count set))))
 
 (defun make-readiness-set (listen-socket counters
                            &key header-timeout keep-alive-timeout queue-timeout write-timeout read-timeout
@@ -195,12 +196,10 @@ or whose reply is not sent whole yet."
 
 ;;; Parking and taking.
 
-(defun take-parked-connection (set connection)
+(defun take-parked-connection (connection)
   "Make the caller CONNECTION's holder if it is parked.  True when it was.
 What it had unread stays so."
-  (when (compare-and-swap (connection-state connection) :parked :active)
-    (atomic-decrement (readiness-set-parked-count set))
-    t))
+  (compare-and-swap (connection-state connection) :parked :active))
 
 (defun take-ready-connection (set token)
   "The parked connection TOKEN was reported for, now held by the caller; NIL
@@ -214,7 +213,7 @@ unread."
     (when (and connection (= (connection-token connection) token))
       (loop
         (case (connection-state connection)
-          (:parked (when (take-parked-connection set connection)
+          (:parked (when (take-parked-connection connection)
                      (setf (connection-unread-p connection) t)
                      (return connection)))
           (:active (when (compare-and-swap (connection-state connection) :active :notified)
@@ -249,14 +248,19 @@ which no edge would report)."
         ;; :NOTIFIED: an edge came while the caller held it.
         (setf arm-p t
               (connection-state connection) :parked))
-      (atomic-increment (readiness-set-parked-count set))
       (or (cond ((not arm-p) t)
                 (first-time-p (epoll-watch (readiness-set-epoll-fd set) (connection-fd connection)
                                            (connection-token connection) :trigger trigger :awaited awaiting))
                 (t (epoll-rearm (readiness-set-epoll-fd set) (connection-fd connection)
                                 (connection-token connection) :trigger trigger :awaited awaiting)))
           ;; Not armed; the sweeper may have taken it at its deadline meanwhile.
-          (not (take-parked-connection set connection))))))
+          (not (take-parked-connection connection))))))
+
+(defun parked-connection-count (set)
+  "The connections parked in SET now, counted when asked: a count kept at
+every park and take would be a word all workers write twice a request."
+  (count-if (lambda (connection) (and connection (eq (connection-state connection) :parked)))
+            (readiness-set-slots set)))
 
 (defun map-parked-connections (set function)
   "Call FUNCTION on every connection parked in SET now.  It is not taken: it

@@ -5,7 +5,7 @@
 (defun readiness-statistics (set counters)
   "The readiness engine's part of TASKMASTER-STATISTICS: what SET (NIL when
 none runs) holds now, and what COUNTERS counted ever."
-  (list* :parked-connections (if set (readiness-set-parked-count set) 0)
+  (list* :parked-connections (if set (parked-connection-count set) 0)
          :open-connections (if set (readiness-set-connection-count set) 0)
          :unsent-replies (if set (readiness-set-outgoing-count set) 0)
          :arriving-bodies (if set (readiness-set-arriving-body-count set) 0)
@@ -27,13 +27,14 @@ none runs) holds now, and what COUNTERS counted ever."
          :body-timeout-replies (connection-counters-body-timeouts counters)
          :handshake-timeouts (connection-counters-handshake-timeouts counters)
          :replies-by-class (loop for class from 1 to 5
-                                 collect (cons class (aref (connection-counters-replies-by-class counters) class)))
+                                 collect (cons class (request-count counters :replies class)))
          :request-duration-buckets (loop for bound across *duration-bucket-seconds*
-                                         for count across (connection-counters-duration-counts counters)
-                                         sum count into cumulative
+                                         for bucket from 0
+                                         sum (request-count counters :durations bucket) into cumulative
                                          collect (cons bound cumulative))
-         :request-duration-count (reduce #'+ (connection-counters-duration-counts counters))
-         :request-duration-seconds (/ (connection-counters-duration-microseconds counters) 1000000)
+         :request-duration-count (loop for bucket to (length *duration-bucket-seconds*)
+                                       sum (request-count counters :durations bucket))
+         :request-duration-seconds (/ (request-count counters :microseconds) 1000000)
          (loop for (status) in *head-refusals*
                for count across (connection-counters-refused-heads counters)
                collect (refusal-statistics-key status)

@@ -222,7 +222,7 @@ armed."
       (memory-barrier)
       (unless (and (or (websocket-inbox websocket) (websocket-close-requested websocket)
                        (websocket-overflowed-p websocket))
-                   (take-parked-connection set connection))
+                   (take-parked-connection connection))
         (return t)))))
 
 (defun websocket-deadline-reached (websocket)

@@ -59,14 +59,48 @@ known."
               (acceptor-server-name hunchentoot:*acceptor*))))
   (setf (hunchentoot:header-out :date) (date-header-value)))
 
+(defvar *ascii-compatible-format* (list nil nil)
+  "The last external format ASCII-COMPATIBLE-FORMAT-P was asked about, and
+its answer: handlers use the same one again and again.")
+
+(defun ascii-compatible-format-p (external-format)
+  "True when EXTERNAL-FORMAT, a flexi-streams external format, encodes each
+ASCII character as its code, one octet, a newline included."
+  (destructuring-bind (last-format answer) *ascii-compatible-format*
+    (if (eq external-format last-format)
+        answer
+        (let ((answer (and (eq (flex:external-format-eol-style external-format) :lf)
+                           (member (flex:external-format-name external-format)
+                                   '(:utf-8 :iso-8859-1 :latin-1 :ascii :us-ascii))
+                           t)))
+          (setf *ascii-compatible-format* (list external-format answer))
+          answer))))
+
+(defun ascii-octets (string)
+  "The codes of STRING's characters as octets when they are all ASCII, else
+NIL."
+  (macrolet ((encode (type)
+               `(let ((string (the ,type string)))
+                  (when (every (lambda (char) (< (char-code char) 128)) string)
+                    (let ((octets (make-array (length string) :element-type '(unsigned-byte 8))))
+                      (dotimes (index (length string) octets)
+                        (setf (aref octets index) (char-code (char string index)))))))))
+    (typecase string
+      ((simple-array character (*)) (encode (simple-array character (*))))
+      (simple-base-string (encode simple-base-string))
+      (t (encode string)))))
+
 (defun body-octets (content)
   "CONTENT as octets; a string is encoded in the reply's external format,
-and the charset added to a text content type, as START-OUTPUT does."
+and the charset added to a text content type, as START-OUTPUT does.  An
+ASCII string in a format that writes ASCII as itself is copied, not
+encoded by flexi-streams, whose generic encoder cost 2% of a 0 ms request."
   (if (stringp content)
       (let ((external-format (hunchentoot:reply-external-format*)))
         (setf (hunchentoot:content-type*)
               (content-type-with-charset (hunchentoot:content-type*) external-format))
-        (flex:string-to-octets content :external-format external-format))
+        (or (and (ascii-compatible-format-p external-format) (ascii-octets content))
+            (flex:string-to-octets content :external-format external-format)))
       content))
 
 ;;; Writing it.
@@ -87,7 +121,7 @@ alist) but those named in OMITTED, the reply's cookies and the blank line."
   (push-octets (status-line return-code) head)
   (loop for (name . value) in headers
         when (and value (not (member name omitted)))
-          do (push-header-line (chunga:as-capitalized-string name) value head))
+          do (push-header-line (header-name-text name) value head))
   (loop for (nil . cookie) in (hunchentoot:cookies-out*)
         do (push-header-line "Set-Cookie" (cookie-header-value cookie) head))
   (push-crlf head))

@@ -94,7 +94,8 @@ body refused before the reply began)."
       ;; Also when the request failed: a soft STOP waits for it.
       (setf microseconds (note-request-finished taskmaster worker :answered (and outcome t))))
     (setf (connection-answered-p connection) t)
-    (count-answered-request (readiness-set-counters (serving-set serving)) status microseconds)
+    (count-answered-request (readiness-set-counters (serving-set serving)) (serving-counter-stripe serving)
+                            status microseconds)
     outcome))
 
 ;;; A request whose body arrives after its head.

@@ -30,6 +30,8 @@
   ;; The acceptor's server name, asked once: Hunchentoot formats it anew at
   ;; every call.
   (server-header-value nil :read-only t)
+  ;; The stripe of the set's counters this worker counts its requests in.
+  (counter-stripe 0 :type fixnum :read-only t)
   ;; Where the acceptor keeps Hunchentoot's count of requests in progress
   ;; (REQUESTS-IN-PROGRESS-LOCATION): counted there by compare-and-swap.
   (requests-in-progress-location nil :read-only t)
@@ -61,10 +63,13 @@ pipelined requests."
 
 (defun make-serving (engine worker)
   "The SERVING of WORKER, a worker of ENGINE, for ENGINE's current run."
-  (let ((acceptor (engine-acceptor engine)))
-    (%make-serving :engine engine :worker worker :set (engine-readiness-set engine) :acceptor acceptor
+  (let ((acceptor (engine-acceptor engine))
+        (set (engine-readiness-set engine)))
+    (%make-serving :engine engine :worker worker :set set :acceptor acceptor
                    :buffer (make-array (head-buffer-bytes acceptor) :element-type '(unsigned-byte 8))
                    :constructors (engine-object-constructors engine)
                    :keep-alive-header-value (format nil "timeout=~D" (floor (acceptor-keep-alive-timeout acceptor)))
                    :server-header-value (acceptor-server-name acceptor)
+                   :counter-stripe (mod (atomic-increment (readiness-set-counting-workers set))
+                                        +request-count-stripes+)
                    :requests-in-progress-location (requests-in-progress-location acceptor))))
