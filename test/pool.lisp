@@ -56,7 +56,7 @@ bound to STANDBY-VAR, each time with a thread-leak check."
     (is (= 8 *default-standby-thread-count*))
     (is (= 100 (ht:taskmaster-max-thread-count taskmaster)))
     (is (= 120 (ht:taskmaster-max-accept-count taskmaster)))
-    (is (= (max 2 (* 2 (processors-online))) (taskmaster-max-waiting-thread-count taskmaster))))
+    (is (= (max 2 (1+ (processors-online))) (taskmaster-max-waiting-thread-count taskmaster))))
   (dolist (class '(parallel-acceptor parallel-easy-acceptor))
     (is (eql 0 (getf (taskmaster-statistics (make-instance class)) :threads))
         "~S has a recycling taskmaster by default" class)))

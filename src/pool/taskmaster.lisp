@@ -35,11 +35,14 @@
 (in-package #:hunchentoot-recycling-taskmaster)
 
 (defun default-max-waiting-thread-count ()
-  "Twice the processors online, and 2 at least: enough waiting workers that
-a processor finishing a request finds one, few enough that a connection's
-bytes seldom wake a thread that was asleep (bench/profiles/
-2026-11-24-waiting-workers.txt)."
-  (max 2 (* 2 (online-processor-count))))
+  "One more than the processors online, and 2 at least: a waiting worker for
+each processor, and one for the processor whose worker has just entered a
+handler; any more, and a connection's bytes often wake a thread that was
+asleep, when a worker already running would have taken them a moment later
+(bench/profiles/2026-11-24-waiting-workers.txt: twice the processors was
+best before the request path was cut; on 2 processors, 3 then answered a
+tenth more than 4 at 0 ms, with a fifth of the thread switches)."
+  (max 2 (1+ (online-processor-count))))
 
 (defvar *default-standby-thread-count* 8
   "The STANDBY-THREAD-COUNT of a RECYCLING-TASKMASTER made without one: how
