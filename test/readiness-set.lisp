@@ -380,6 +380,31 @@ then closed the connection."
                      (is (equal "::1 ::1" body))))
               (usocket:socket-close socket)))))))
 
+(ht:define-easy-handler (test-both-ends :uri "/test/both-ends") ()
+  (setf (ht:content-type*) "text/plain")
+  (format nil "~A ~D ~A ~D" (ht:remote-addr*) (ht:remote-port*) (ht:local-addr*) (ht:local-port*)))
+
+(test addresses.wildcard-acceptor-reports-the-address-connected-to
+  ;; Listening on every address, our end of each connection is asked of
+  ;; its socket; on one address, it is the listening socket's.
+  (dolist (address '("0.0.0.0" "127.0.0.1"))
+    (with-thread-leak-check ()
+      (with-server (server (make-instance 'parallel-easy-acceptor :address address :port 0
+                                                                  :access-log-destination nil
+                                                                  :message-log-destination nil))
+        (let ((socket (usocket:socket-connect "127.0.0.1" (ht:acceptor-port server)
+                                              :element-type '(unsigned-byte 8))))
+          (unwind-protect
+               (progn
+                 (send-text socket (get-request "/test/both-ends"))
+                 (multiple-value-bind (status body) (read-response socket)
+                   (is (eql 200 status))
+                   (is (equal (format nil "127.0.0.1 ~D 127.0.0.1 ~D"
+                                      (usocket:get-local-port socket) (ht:acceptor-port server))
+                              body)
+                       "listening on ~A" address)))
+            (usocket:socket-close socket)))))))
+
 (test limits.refusals-carry-date-and-server-headers
   (with-readiness-server (server)
     (with-connection (socket server)

@@ -155,31 +155,61 @@ acknowledged yet (ioctl SIOCOUTQ), or NIL when they cannot be told."
                                                     sb-alien:unsigned-long sb-alien:int))
             fd (sb-alien:alien-sap (sb-alien:addr octet)) 1 (logior +msg-peek+ +msg-dontwait+)))))
 
+(defun sockaddr-address (sap)
+  "The address, as text, and the port of the sockaddr at SAP: IPv4 in
+dotted quads, IPv6 in inet_ntop(3)'s RFC 5952 form (::1); NIL for another
+family."
+  ;; sockaddr_in and sockaddr_in6 alike: family (2 octets, host order),
+  ;; port (network order); the address at 4 (IPv4) or 8 (IPv6).
+  (let ((family (sb-sys:sap-ref-16 sap 0))
+        (port (+ (* 256 (sb-sys:sap-ref-8 sap 2)) (sb-sys:sap-ref-8 sap 3))))
+    (when (member family (list +af-inet+ +af-inet6+))
+      (sb-alien:with-alien ((text (array sb-alien:char #.+inet6-addrstrlen+)))
+        (when (sb-alien:null-alien
+               (sb-alien:alien-funcall
+                (sb-alien:extern-alien "inet_ntop" (function (* sb-alien:char) sb-alien:int
+                                                             sb-sys:system-area-pointer
+                                                             (* sb-alien:char) sb-alien:unsigned))
+                family (sb-sys:sap+ sap (if (= family +af-inet+) 4 8))
+                (sb-alien:cast text (* sb-alien:char)) +inet6-addrstrlen+))
+          (foreign-error "inet_ntop"))
+        (let* ((text-sap (sb-alien:alien-sap text))
+               (string (make-string (loop for index from 0
+                                          until (zerop (sb-sys:sap-ref-8 text-sap index))
+                                          finally (return index)))))
+          (dotimes (index (length string))
+            (setf (char string index) (code-char (sb-sys:sap-ref-8 text-sap index))))
+          (values string port))))))
+
 (defun accept-connection-fd (listen-fd)
-  "accept4(2) on the non-blocking LISTEN-FD: the new connection's descriptor,
-or NIL when none is pending or it was aborted before it was taken.  Other
-failures (EMFILE, ...) signal an error.  The connection is non-blocking,
-so that sendfile(2) gives up when the socket is full; SBCL's fd-streams
-and OpenSSL's reads wait on it by poll(2) instead, within their timeouts."
-  (loop
-    (let ((fd (sb-alien:alien-funcall
-               (sb-alien:extern-alien "accept4" (function sb-alien:int sb-alien:int sb-alien:unsigned-long
-                                                          sb-alien:unsigned-long sb-alien:int))
-               listen-fd 0 0 (logior +sock-cloexec+ +sock-nonblock+))))
-      (if (>= fd 0)
-          (return fd)
-          (let ((errno (sb-alien:get-errno)))
-            (cond ((= errno +eintr+))
-                  ((member errno (list +eagain+ +econnaborted+)) (return nil))
-                  (t (foreign-error "accept4"))))))))
+  "accept4(2) on the non-blocking LISTEN-FD: the new connection's
+descriptor, then its peer's address, as text, and port (SOCKADDR-ADDRESS:
+no getpeername(2) needed); or NIL when none is pending or it was aborted
+before it was taken.  Other failures (EMFILE, ...) signal an error.  The
+connection is non-blocking, so that sendfile(2) gives up when the socket is
+full; SBCL's fd-streams and OpenSSL's reads wait on it by poll(2) instead,
+within their timeouts."
+  (sb-alien:with-alien ((address (array (sb-alien:unsigned 8) #.+sockaddr-storage-bytes+))
+                        (length sb-alien:unsigned))
+    (loop
+      (setf length +sockaddr-storage-bytes+)
+      (let ((fd (sb-alien:alien-funcall
+                 (sb-alien:extern-alien "accept4" (function sb-alien:int sb-alien:int sb-sys:system-area-pointer
+                                                            (* sb-alien:unsigned) sb-alien:int))
+                 listen-fd (sb-alien:alien-sap address) (sb-alien:addr length)
+                 (logior +sock-cloexec+ +sock-nonblock+))))
+        (if (>= fd 0)
+            (return (multiple-value-call #'values fd (sockaddr-address (sb-alien:alien-sap address))))
+            (let ((errno (sb-alien:get-errno)))
+              (cond ((= errno +eintr+))
+                    ((member errno (list +eagain+ +econnaborted+)) (return nil))
+                    (t (foreign-error "accept4")))))))))
 
 (defun socket-address (fd side)
   "The address, as text, and the port of one end of the connection FD: SIDE
-is :PEER (getpeername) or :LOCAL (getsockname).  IPv4 in dotted quads, IPv6
-in inet_ntop(3)'s RFC 5952 form (::1)."
+is :PEER (getpeername) or :LOCAL (getsockname).  See SOCKADDR-ADDRESS."
   (sb-alien:with-alien ((address (array (sb-alien:unsigned 8) #.+sockaddr-storage-bytes+))
-                        (length sb-alien:unsigned)
-                        (text (array sb-alien:char #.+inet6-addrstrlen+)))
+                        (length sb-alien:unsigned))
     (setf length +sockaddr-storage-bytes+)
     (let ((sap (sb-alien:alien-sap address)))
       (unless (zerop (ecase side
@@ -194,28 +224,16 @@ in inet_ntop(3)'s RFC 5952 form (::1)."
                                                                                (* sb-alien:unsigned)))
                                 fd sap (sb-alien:addr length)))))
         (foreign-error (if (eq side :peer) "getpeername" "getsockname")))
-      ;; sockaddr_in and sockaddr_in6 alike: family (2 octets, host order),
-      ;; port (network order); the address at 4 (IPv4) or 8 (IPv6).
-      (let ((family (sb-sys:sap-ref-16 sap 0))
-            (port (+ (* 256 (sb-sys:sap-ref-8 sap 2)) (sb-sys:sap-ref-8 sap 3))))
-        (unless (member family (list +af-inet+ +af-inet6+))
+      (multiple-value-bind (text port) (sockaddr-address sap)
+        (unless text
           (error "The ~(~A~) address of descriptor ~D is of family ~D, neither IPv4 nor IPv6."
-                 side fd family))
-        (when (sb-alien:null-alien
-               (sb-alien:alien-funcall
-                (sb-alien:extern-alien "inet_ntop" (function (* sb-alien:char) sb-alien:int
-                                                             sb-sys:system-area-pointer
-                                                             (* sb-alien:char) sb-alien:unsigned))
-                family (sb-sys:sap+ sap (if (= family +af-inet+) 4 8))
-                (sb-alien:cast text (* sb-alien:char)) +inet6-addrstrlen+))
-          (foreign-error "inet_ntop"))
-        (values (let ((text-sap (sb-alien:alien-sap text)))
-                  (coerce (loop for index from 0
-                                for octet = (sb-sys:sap-ref-8 text-sap index)
-                                until (zerop octet)
-                                collect (code-char octet))
-                          'string))
-                port)))))
+                 side fd (sb-sys:sap-ref-16 sap 0)))
+        (values text port)))))
+
+(defun wildcard-address-p (text)
+  "True when TEXT (SOCKADDR-ADDRESS) is the IPv4 or IPv6 address that stands
+for every address of the host."
+  (member text '("0.0.0.0" "::") :test #'string=))
 
 (defun connection-addresses-of (fd)
   "The peer's address and port, then ours, of the connection FD, as

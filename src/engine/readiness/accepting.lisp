@@ -1,6 +1,5 @@
-;;;; Taking connections from the listening socket, and starting their
-;;;; streams: the peer's address, then, on an SSL acceptor, the TLS
-;;;; handshake.
+;;;; Taking connections from the listening socket, with their addresses,
+;;;; and starting their streams: on an SSL acceptor, the TLS handshake.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -17,19 +16,37 @@ accept events off for a moment, and log it (quiet while stopping)."
                        condition))))
   (pause-accepting set))
 
+(defun accepted-connection-addresses (set fd peer-address peer-port)
+  "The addresses of the connection FD accepted from SET's listening socket
+from PEER-ADDRESS and PEER-PORT, as Hunchentoot's request holds them; our
+end's asked of FD only when the socket listens on every address.  NIL when
+they cannot be told."
+  (and peer-address
+       (let ((local-address (or (readiness-set-local-address set)
+                                (ignore-errors (multiple-value-list (socket-address fd :local))))))
+         (and local-address (list* peer-address peer-port local-address)))))
+
 (defun accept-new-connection (engine set)
-  "A new CONNECTION from SET's listening socket, :ACTIVE, or NIL."
-  (let ((fd (handler-case (accept-connection-fd (readiness-set-listen-fd set))
-              (error (condition)
-                (note-accept-failed engine set condition)
-                (return-from accept-new-connection nil)))))
+  "A new CONNECTION from SET's listening socket, :ACTIVE, with its
+addresses, or NIL."
+  (multiple-value-bind (fd peer-address peer-port)
+      (handler-case (accept-connection-fd (readiness-set-listen-fd set))
+        (error (condition)
+          (note-accept-failed engine set condition)
+          (return-from accept-new-connection nil)))
     ;; Another worker may accept the next connection while this one serves.
     (rearm-listen-socket set)
     (when fd
       (atomic-increment (connection-counters-accepted (readiness-set-counters set)))
+      (when (typep (engine-acceptor engine) 'hunchentoot:ssl-acceptor)
+        ;; TLS writes a reply as several records; Nagle's algorithm would
+        ;; hold the last one until the client's delayed acknowledgement of
+        ;; the first, 40 ms later.
+        (send-small-writes-at-once fd))
       (let ((connection (add-connection set fd (make-connection-fd-stream
                                                 fd (hunchentoot:acceptor-read-timeout (engine-acceptor engine))))))
-        (setf (connection-head-started connection) (get-internal-real-time))
+        (setf (connection-head-started connection) (get-internal-real-time)
+              (connection-addresses connection) (accepted-connection-addresses set fd peer-address peer-port))
         connection))))
 
 (defun take-queued-connections (engine set deadline)
@@ -44,7 +61,8 @@ the socket stops listening."
                  (return)))))
 
 (defun start-connection-stream (engine connection)
-  "Read the new CONNECTION's addresses and start its stream.  On an SSL
+  "Start the new CONNECTION's stream, after asking its addresses of the
+socket if its accepting could not tell them.  On an SSL
 acceptor that is the TLS handshake: taken by the engine as far as the
 client's bytes allow (tls-handshake.lisp), or else inside
 HUNCHENTOOT:INITIALIZE-CONNECTION-STREAM, waited for by the worker, bounded
@@ -55,12 +73,6 @@ the pool is stopping."
   (let ((addresses (or (connection-addresses connection)
                        (ignore-errors (connection-addresses-of (connection-fd connection))))))
     (when (and addresses (not (stopping-p engine)))
-      (when (and (null (connection-addresses connection))
-                 (typep (engine-acceptor engine) 'hunchentoot:ssl-acceptor))
-        ;; TLS writes a reply as several records; Nagle's algorithm would
-        ;; hold the last one until the client's delayed acknowledgement of
-        ;; the first, 40 ms later.
-        (send-small-writes-at-once (connection-fd connection)))
       (setf (connection-addresses connection) addresses)
       (let* ((context (engine-tls-context engine))
              (stream (if context

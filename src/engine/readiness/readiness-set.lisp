@@ -15,6 +15,11 @@
   (wakeup-fd -1 :type fixnum :read-only t)
   ;; The acceptor's listening socket, non-blocking.
   (listen-fd -1 :type fixnum :read-only t)
+  ;; The address, as text, and the port every connection is accepted on,
+  ;; as a list, when the listening socket has one address; NIL when it
+  ;; listens on every address of the host (the wildcard), so that each
+  ;; connection's is asked of it.
+  (local-address nil :type list :read-only t)
   ;; True while accepting pauses: accept(2) failed for a reason that lasts
   ;; (EMFILE, ENFILE), and the listening socket is left disarmed until the
   ;; next sweep, instead of a worker sleeping or spinning on it.
@@ -77,8 +82,12 @@
 for it may find the connection already taken), counting into COUNTERS.  The
 timeouts are in seconds; a WRITE-TIMEOUT or READ-TIMEOUT of NIL means a year."
   (let* ((epoll-fd (make-epoll-set))
+         (listen-fd (socket-file-descriptor listen-socket))
          (set (%make-readiness-set :epoll-fd epoll-fd :wakeup-fd (make-wakeup-fd)
-                                   :listen-fd (socket-file-descriptor listen-socket)
+                                   :listen-fd listen-fd
+                                   :local-address (let ((address (multiple-value-list (socket-address listen-fd :local))))
+                                                    (unless (wildcard-address-p (first address))
+                                                      address))
                                    :counters counters
                                    :header-timeout (seconds->internal-units header-timeout)
                                    :keep-alive-timeout (seconds->internal-units keep-alive-timeout)
