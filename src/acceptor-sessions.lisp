@@ -104,7 +104,7 @@ fails signals SESSION-STORE-UNAVAILABLE."
             (deadline-passed ()
               (error 'session-store-unavailable
                      :store store :reason (format nil "no answer within ~A s" seconds))))
-        (note-session-store-answered store)))))
+        (note-session-store-answered store started)))))
 
 (defmacro with-session-store ((store acceptor) &body body)
   "Run BODY with STORE bound to ACCEPTOR's session store, as CALL-WITH-SESSION-STORE."

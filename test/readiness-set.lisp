@@ -359,51 +359,43 @@ then closed the connection."
   (handler-case (progn (usocket:socket-close (usocket:socket-listen "::1" 0)) t)
     (error () nil)))
 
-(ht:define-easy-handler (test-addresses :uri "/test/addresses") ()
+(ht:define-easy-handler (test-both-ends :uri "/test/both-ends") ()
   (setf (ht:content-type*) "text/plain")
-  (format nil "~A ~A" (ht:remote-addr*) (ht:local-addr*)))
+  (format nil "~A ~D ~A ~D" (ht:remote-addr*) (ht:remote-port*) (ht:local-addr*) (ht:local-port*)))
+
+(defun both-ends-seen (listen-address connect-address)
+  "Ask a parallel acceptor listening on LISTEN-ADDRESS, over a connection to
+CONNECT-ADDRESS, for GET /test/both-ends.  The status, the body, and the
+text the body should be: the client's address and port, then the server's."
+  (with-thread-leak-check ()
+    (with-server (server (make-instance 'parallel-easy-acceptor :address listen-address :port 0
+                                                                :access-log-destination nil
+                                                                :message-log-destination nil))
+      (let ((socket (usocket:socket-connect connect-address (ht:acceptor-port server)
+                                            :element-type '(unsigned-byte 8))))
+        (unwind-protect
+             (progn
+               (send-text socket (get-request "/test/both-ends"))
+               (multiple-value-bind (status body) (read-response socket)
+                 (values status body
+                         (format nil "~A ~D ~A ~D" connect-address (usocket:get-local-port socket)
+                                 connect-address (ht:acceptor-port server)))))
+          (usocket:socket-close socket))))))
 
 (test addresses.ipv6-acceptor-reports-ipv6-addresses
   (if (not (ipv6-loopback-p))
       (skip "this machine has no IPv6 loopback")
-      (with-thread-leak-check ()
-        (with-server (server (make-instance 'parallel-easy-acceptor :address "::1" :port 0
-                                                                    :access-log-destination nil
-                                                                    :message-log-destination nil))
-          (let ((socket (usocket:socket-connect "::1" (ht:acceptor-port server)
-                                                :element-type '(unsigned-byte 8))))
-            (unwind-protect
-                 (progn
-                   (send-text socket (get-request "/test/addresses"))
-                   (multiple-value-bind (status body) (read-response socket)
-                     (is (eql 200 status))
-                     (is (equal "::1 ::1" body))))
-              (usocket:socket-close socket)))))))
-
-(ht:define-easy-handler (test-both-ends :uri "/test/both-ends") ()
-  (setf (ht:content-type*) "text/plain")
-  (format nil "~A ~D ~A ~D" (ht:remote-addr*) (ht:remote-port*) (ht:local-addr*) (ht:local-port*)))
+      (multiple-value-bind (status body expected) (both-ends-seen "::1" "::1")
+        (is (eql 200 status))
+        (is (equal expected body)))))
 
 (test addresses.wildcard-acceptor-reports-the-address-connected-to
   ;; Listening on every address, our end of each connection is asked of
   ;; its socket; on one address, it is the listening socket's.
   (dolist (address '("0.0.0.0" "127.0.0.1"))
-    (with-thread-leak-check ()
-      (with-server (server (make-instance 'parallel-easy-acceptor :address address :port 0
-                                                                  :access-log-destination nil
-                                                                  :message-log-destination nil))
-        (let ((socket (usocket:socket-connect "127.0.0.1" (ht:acceptor-port server)
-                                              :element-type '(unsigned-byte 8))))
-          (unwind-protect
-               (progn
-                 (send-text socket (get-request "/test/both-ends"))
-                 (multiple-value-bind (status body) (read-response socket)
-                   (is (eql 200 status))
-                   (is (equal (format nil "127.0.0.1 ~D 127.0.0.1 ~D"
-                                      (usocket:get-local-port socket) (ht:acceptor-port server))
-                              body)
-                       "listening on ~A" address)))
-            (usocket:socket-close socket)))))))
+    (multiple-value-bind (status body expected) (both-ends-seen address "127.0.0.1")
+      (is (eql 200 status))
+      (is (equal expected body) "listening on ~A" address))))
 
 (test limits.refusals-carry-date-and-server-headers
   (with-readiness-server (server)

@@ -244,6 +244,31 @@ its values as the text a store keeps.")
         (is (eql 3 (stored-count store (session-cookie jar))) "a 503 changed the session")
         (is (wait-until (lambda () (zerop (stats server :in-request-threads)))))))))
 
+(test sessions.store.outage-is-logged-once-when-an-earlier-call-answers-late
+  ;; Under load, a call begun before the store stopped answering may report
+  ;; its answer after another call's failure began the outage: the outage
+  ;; goes on, and is logged begun once and ended once.
+  (let* ((store (make-instance 'test-session-store))
+         (log (make-string-output-stream))
+         (ht:*acceptor* (make-instance 'parallel-easy-acceptor :message-log-destination log))
+         (failure (make-condition 'session-store-unavailable :store store :reason "it was told to fail"))
+         (before (get-internal-real-time)))
+    (flet ((outage-began-at ()
+             (cdr (hunchentoot-recycling-taskmaster::session-store-outage-since
+                   (hunchentoot-recycling-taskmaster::session-store-outage store))))
+           (log-lines (text)
+             (count-if (lambda (line) (search text line))
+                       (uiop:split-string (get-output-stream-string log) :separator '(#\Newline)))))
+      (hunchentoot-recycling-taskmaster::note-session-store-failed store failure (1+ before))
+      (is (outage-began-at) "a failure began no outage")
+      (hunchentoot-recycling-taskmaster::note-session-store-answered store before)
+      (is (outage-began-at) "a call begun before the outage ended it")
+      (hunchentoot-recycling-taskmaster::note-session-store-failed store failure (1+ before))
+      (is (eql 1 (log-lines "requests that need their session are answered 503")))
+      (hunchentoot-recycling-taskmaster::note-session-store-answered store (1+ (outage-began-at)))
+      (is (null (outage-began-at)) "a call begun after the outage did not end it")
+      (is (eql 1 (log-lines "answers again after"))))))
+
 (defclass request-of-hunchentoot-only (ht:request) ()
   (:documentation "A request class of a user's that does not inherit from PARALLEL-REQUEST."))
 

@@ -26,8 +26,9 @@
 
 (defstruct (session-store-outage (:constructor make-session-store-outage ()))
   "A store's current outage, if any."
-  ;; The universal time the outage began (the first call that failed after
-  ;; one that answered), or NIL while the store answers.
+  ;; When the outage began (the first call that failed after one that
+  ;; answered) as a universal time and an internal real time, in a cons; NIL
+  ;; while the store answers.
   (since nil)
   ;; Requests answered 503 since the outage began.
   (refused 0 :type sb-ext:word)
@@ -126,7 +127,8 @@ failed with CONDITION (a SESSION-STORE-UNAVAILABLE); log it when it begins
 an outage."
   (let ((outage (session-store-outage store)))
     (when (and (> call-started (session-store-outage-ended-at outage))
-               (compare-and-swap (session-store-outage-since outage) nil (get-universal-time)))
+               (compare-and-swap (session-store-outage-since outage) nil
+                                 (cons (get-universal-time) (get-internal-real-time))))
       (hunchentoot:log-message* :error "~A; requests that need their session are answered 503 ~
 until it answers again."
                                 condition))))
@@ -135,14 +137,20 @@ until it answers again."
   "Record that a request was answered 503 for want of STORE."
   (atomic-increment (session-store-outage-refused (session-store-outage store))))
 
-(defun note-session-store-answered (store)
-  "Record that a call to STORE answered; log the end of an outage."
+(defun note-session-store-answered (store call-started)
+  "Record that a call to STORE begun at the internal real time CALL-STARTED
+answered; log the end of an outage when the call began after it: one begun
+before may have had its answer before the store stopped answering, and
+would end the outage early, to be logged as begun again by the next call
+that fails."
   (let* ((outage (session-store-outage store))
          (since (session-store-outage-since outage)))
-    (when (and since (compare-and-swap (session-store-outage-since outage) since nil))
+    (when (and since
+               (> call-started (cdr since))
+               (compare-and-swap (session-store-outage-since outage) since nil))
       (setf (session-store-outage-ended-at outage) (get-internal-real-time))
       (let ((refused (session-store-outage-refused outage)))
         (atomic-add (session-store-outage-refused outage) (- refused))
         (hunchentoot:log-message* :info "The session store ~A answers again after ~D s; ~D ~
 request~:P were answered 503 meanwhile."
-                                  store (- (get-universal-time) since) refused)))))
+                                  store (- (get-universal-time) (car since)) refused)))))
