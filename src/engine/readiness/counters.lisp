@@ -24,8 +24,8 @@ every request (counting a reply was 2.5% of a 0 ms request).  Reading a
 count sums its stripes.")
 
 (defconstant +request-count-stripe-words+ 32
-  "The words of one stripe: the 22 it uses and room enough that no two
-stripes share a cache line.")
+  "The words of one stripe: those REQUEST-COUNT-WORD names, and room enough
+(8 words) that no two stripes share a cache line.")
 
 (defstruct (connection-counters (:constructor make-connection-counters ()))
   "What the readiness sets of one engine have counted, ever.  The engine
@@ -68,12 +68,15 @@ a handler by duration, INDEX the bucket of *DURATION-BUCKET-SECONDS* the
 duration (from the complete head to the flushed reply) is within and above
 the one before, or one more for longer ones; :MICROSECONDS, the sum of those
 durations."
-  (declare (type fixnum stripe) (type (integer 0 15) index))
+  (declare (type fixnum stripe index))
   (+ (* stripe +request-count-stripe-words+)
      (ecase counted
        (:replies index)
        (:durations (+ 6 index))
-       (:microseconds 21))))
+       (:microseconds (load-time-value (+ 6 1 (length *duration-bucket-seconds*)) t)))))
+
+(assert (<= (+ (request-count-word 0 :microseconds) 1 8) +request-count-stripe-words+) ()
+        "A stripe of request counts has no room left for the duration buckets and a cache line.")
 
 (defun request-count (counters counted &optional (index 0))
   "The request count COUNTED (see REQUEST-COUNT-WORD) of COUNTERS: the sum
