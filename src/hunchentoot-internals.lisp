@@ -155,12 +155,6 @@ error enters the debugger when HUNCHENTOOT:*CATCH-ERRORS-P* is false."
 flexi-stream."
   (hunchentoot::start-output return-code content))
 
-(defun keep-alive-reply-p (request)
-  "Hunchentoot's KEEP-ALIVE-P: true unless REQUEST's headers or the acceptor
-forbid a persistent connection; second value, true when the client asked
-for one explicitly."
-  (hunchentoot::keep-alive-p request))
-
 (defun header-out-set-p (name)
   "True when the current reply has a header NAME, NIL-valued or not."
   (hunchentoot::header-out-set-p name))

@@ -115,6 +115,17 @@ that joins the client (see IN-THREAD)."
     (is (= 0 (stats server :busy-threads)))
     (is (eql 200 (http-get server "/test/yo")))))
 
+(define-pool-test pool.worker-back-from-a-new-connection-waits-while-one-fewer-wait (standby)
+  ;; Three may wait; the worker that took the new connection comes back to
+  ;; find two waiting, and rests.
+  (when (>= standby 3)
+    (with-server (server (pooled-server :standby-thread-count standby :max-waiting-thread-count 3))
+      (is (wait-until (lambda () (= (- standby 3) (stats server :resting-threads)))))
+      (is (eql 200 (http-get server "/test/yo" :close t)))
+      (is (wait-until (lambda () (= (- standby 2) (stats server :resting-threads))))
+          "~D of ~D idle workers rest, not ~D" (- standby 2) standby (stats server :resting-threads))
+      (is (eql 200 (http-get server "/test/yo"))))))
+
 (define-pool-test pool.growth-wakes-resting-workers-first (standby)
   ;; Requests wait while no worker does: growth releases every resting
   ;; worker, and makes threads only once none rests.

@@ -113,6 +113,22 @@ each sent on a connection of its own."
                       (crlf-lines "POST /test/body HTTP/1.1" "Host: localhost" "Content-Length: 5" "")
                       "hello"))))
 
+(test replies.keep-alive-read-as-hunchentoot-reads-it
+  (dolist (persistent '(t nil))
+    (let ((ht:*acceptor* (make-instance 'ht:acceptor :persistent-connections-p persistent)))
+      (dolist (protocol '(:http/1.1 :http/1.0))
+        (dolist (value '(nil "close" "Close" "keep-alive" "Keep-Alive" "upgrade, close" "close,upgrade"
+                         "Upgrade ,  Keep-Alive" "keep-alive , close" " close" "close " "close ,"
+                         ",close" "closed" "xclose" "keep-alive-x" "a,,close" "a ,	 , keep-alive"
+                         "te, keep-alive,close" "" "," "close, keep-alive"))
+          (let ((request (allocate-instance (find-class 'ht:request))))
+            (setf (slot-value request 'ht::headers-in) (and value (list (cons :connection value)))
+                  (slot-value request 'ht::server-protocol) protocol)
+            (flet ((truths (values) (mapcar (lambda (value) (and value t)) values)))
+              (is (equal (truths (multiple-value-list (ht::keep-alive-p request)))
+                         (truths (multiple-value-list (hrt::keep-alive-reply-p request))))
+                  "~S ~S persistent ~S" protocol value persistent))))))))
+
 (test replies.header-names-as-chunga-writes-them
   (dolist (name '(:content-length :content-type :date :server :connection :keep-alive :set-cookie :x-made-up))
     (is (string= (chunga:as-capitalized-string name) (hunchentoot-recycling-taskmaster::header-name-text name))

@@ -94,7 +94,9 @@ beyond a few per processor, waking costs more than waiting.  Idle workers
 past this count rest on a condition variable of the pool, and growth
 (pool/growth.lisp) wakes one of them before it makes a thread.  A worker
 whose last request took a millisecond or more waits on the engine whatever
-the count: handlers that wait need workers in circulation.")
+the count: handlers that wait need workers in circulation.  One back from a
+new connection waits only while fewer than this count less one wait
+(JOIN-WAITING).")
    (max-accept-count
     :initarg :max-accept-count
     :reader hunchentoot:taskmaster-max-accept-count

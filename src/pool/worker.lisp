@@ -22,7 +22,9 @@ heads, parking it), :IN-REQUEST (from a complete head to the reply sent), or
   ;; When WORKER's current or last request began (MONOTONIC-MICROSECONDS).
   (request-started 0 :type fixnum)
   ;; True when WORKER's last request took +LONG-REQUEST-SECONDS+ or more.
-  (last-request-long-p nil))
+  (last-request-long-p nil)
+  ;; True when WORKER's last turn began with a new connection (JOIN-WAITING).
+  (last-turn-new-p nil))
 
 (defconstant +long-request-seconds+ 1/1000
   "A request that takes this long waited on something -- a timer, a client,
@@ -80,12 +82,21 @@ WORKER's STATE with it.  True when it did."
           (return t))))))
 
 (defun join-waiting (taskmaster worker)
-  "Count WORKER among the waiting unless MAX-WAITING-THREAD-COUNT already
-wait and its last request was quick.  True when it joined."
+  "Count WORKER among the waiting unless enough wait already: whatever the
+count when its last request was long; else MAX-WAITING-THREAD-COUNT, or one
+fewer when its last turn began with a new connection.  New connections come
+one at a time, each arming the engine's wait again as it is taken, and a
+worker asleep in that wait is woken for each one, to take turns with the
+workers already running: at one request per connection, the extra waiting
+worker cost a thread switch a connection and a tenth of the requests
+answered (bench/profiles/2026-11-25-new-connection-waits.txt).  Kept-alive
+connections are ready before the workers come back, so the extra one
+seldom sleeps there.  True when WORKER joined."
   (step-waiting-count taskmaster worker 1
-                      (if (worker-last-request-long-p worker)
-                          most-positive-fixnum
-                          (taskmaster-max-waiting-thread-count taskmaster))
+                      (let ((most (taskmaster-max-waiting-thread-count taskmaster)))
+                        (cond ((worker-last-request-long-p worker) most-positive-fixnum)
+                              ((worker-last-turn-new-p worker) (max 1 (1- most)))
+                              (t most)))
                       :waiting))
 
 (defun count-out-retiring (taskmaster worker)
@@ -152,6 +163,11 @@ resting)."
 thread.  POOL-LOCK held, and an unreleased resting worker there."
   (incf (released-count taskmaster))
   (bt:condition-notify (resting-wakeup taskmaster)))
+
+(defun note-turn-taken (worker new-connection-p)
+  "WORKER, woken, takes up a connection to serve: a new one when
+NEW-CONNECTION-P.  Its next JOIN-WAITING counts which."
+  (setf (worker-last-turn-new-p worker) new-connection-p))
 
 (defun note-woken (taskmaster worker)
   "WORKER left its wait with something to serve.  If it was the last one

@@ -53,9 +53,11 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
          (hunchentoot:*acceptor* (engine-acceptor engine)))
     (loop for token = (next-ready-token engine worker set)
           while token
-          do (let ((connection (if (= token +listen-token+)
-                                   (accept-new-connection engine set)
-                                   (take-ready-connection set token))))
+          do (let* ((new-p (= token +listen-token+))
+                    (connection (if new-p
+                                    (accept-new-connection engine set)
+                                    (take-ready-connection set token))))
+               (note-turn-taken worker new-p)
                (when connection
                  (serve-connection serving connection))))))
 

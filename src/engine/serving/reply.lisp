@@ -31,6 +31,44 @@ optional argument: hence the reader."
           (setf (cdr entry) (serving-keep-alive-header-value *serving*)))))
     headers))
 
+(defun connection-option-p (value option)
+  "True when OPTION is one of the comma-separated options of the Connection
+header VALUE, compared without case, as Hunchentoot's KEEP-ALIVE-P reads
+them: whitespace around each comma is not part of an option, whitespace at
+the ends of VALUE is."
+  (declare (type simple-string option))
+  (let ((value (if (simple-string-p value) value (coerce value 'simple-string)))
+        (length (length option)))
+    (flet ((whitespacep (char) (member char '(#\Space #\Tab #\Newline #\Return #\Page))))
+      (loop with end = (length value)
+            for start = 0 then (1+ comma)
+            for comma = (or (position #\, value :start start) end)
+            do (let ((option-start (if (plusp start)
+                                       (or (position-if-not #'whitespacep value :start start :end comma) comma)
+                                       start))
+                     (option-end (if (< comma end)
+                                     (1+ (or (position-if-not #'whitespacep value :start start :end comma :from-end t)
+                                             (1- start)))
+                                     comma)))
+                 (when (and (= (- option-end option-start) length)
+                            (string-equal value option :start1 option-start :end1 option-end))
+                   (return t)))
+            while (< comma end)))))
+
+(defun keep-alive-reply-p (request)
+  "What Hunchentoot's KEEP-ALIVE-P answers for REQUEST: true unless its
+headers or the acceptor forbid a persistent connection; second value, true
+when the client asked for one explicitly.  Hunchentoot splits the
+Connection header with a regular expression on every request; this reads it
+in place."
+  (let* ((value (hunchentoot:header-in :connection request))
+         (keep-alive-requested-p (and value (connection-option-p value "keep-alive"))))
+    (values (and (hunchentoot:acceptor-persistent-connections-p hunchentoot:*acceptor*)
+                 (case (hunchentoot:server-protocol request)
+                   (:http/1.1 (not (and value (connection-option-p value "close"))))
+                   (:http/1.0 keep-alive-requested-p)))
+            keep-alive-requested-p)))
+
 (defun set-connection-headers (request)
   "Set the Connection and Keep-Alive headers and whether the connection
 ends after this reply, as START-OUTPUT does for a reply whose length is
