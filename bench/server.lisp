@@ -17,26 +17,35 @@
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
+(defconstant +request-stripes+ 16
+  "How many stripes /yo requests are counted in (COUNT-REQUEST).")
+
+(defconstant +words-per-stripe+ 8
+  "The words from one stripe to the next: a 64-octet cache line.")
+
 (defstruct (counters (:conc-name counter-))
   ;; Requests to /yo, counted in stripes (COUNT-REQUEST).
-  (request-stripes (make-array (* 16 8) :element-type 'sb-ext:word :initial-element 0)
+  (request-stripes (make-array (* +request-stripes+ +words-per-stripe+) :element-type 'sb-ext:word
+                                                                          :initial-element 0)
    :type (simple-array sb-ext:word (*)) :read-only t)
   (peak-threads 0 :type fixnum))
 
 (defvar *counters* (make-counters))
 
 (defun count-request ()
-  "Count a /yo request in the stripe of the calling thread (one of 16, each
-on a cache line of its own): a word every thread incremented moved between
+  "Count a /yo request in the stripe of the calling thread, each stripe on a
+cache line of its own: a word every thread incremented moved between
 the processors' caches at every request, 2.6% of the server's time at a
 0 ms handler, and what measures should weigh as little as it can on what it
 measures."
   (sb-ext:atomic-incf (aref (counter-request-stripes *counters*)
-                            (* 8 (ldb (byte 4 0) (sb-thread:thread-os-tid sb-thread:*current-thread*))))))
+                            (* +words-per-stripe+
+                               (mod (sb-thread:thread-os-tid sb-thread:*current-thread*) +request-stripes+)))))
 
 (defun counter-requests (counters)
   "The requests to /yo COUNTERS have counted."
-  (loop for stripe below 16 sum (aref (counter-request-stripes counters) (* 8 stripe))))
+  (loop for stripe below +request-stripes+
+        sum (aref (counter-request-stripes counters) (* +words-per-stripe+ stripe))))
 
 (defvar *handler-delay* nil
   "Seconds each /yo request sleeps, or NIL for a handler that never calls SLEEP.")

@@ -81,7 +81,9 @@ sleeping DELAY-MS, until killed."
    :output log-file :error-output :output :if-output-exists :supersede))
 
 (defparameter *threaded-floor-server*
-  '(:name "threaded-floor" :label "threaded floor, 100 threads" :launch launch-threaded-floor))
+  (list :name "threaded-floor"
+        :label (format nil "threaded floor, ~D threads" (hrt::default-max-thread-count))
+        :launch 'launch-threaded-floor))
 
 (defun run-threaded-floor (&key core (rounds 3))
   "The 1 ms handler cells of the matrix for the threaded floor, ours and

@@ -213,7 +213,8 @@ else NIL."
   (declare (type simple-string uri) (optimize speed))
   (let ((content-type (cdr (assoc :content-type headers)))
         (length (length uri))
-        (path-end nil))
+        (path-end nil)
+        (plus-in-path-p nil))
     (when (or (zerop length)
               (char/= (schar uri 0) #\/)
               (and content-type (names-charset-p content-type)))
@@ -225,10 +226,12 @@ else NIL."
               (path-end)
               ((char= character #\?)
                (setf path-end index))
+              ((char= character #\+)
+               (setf plus-in-path-p t))
               ((> (char-code character) 127)
                (return-from plain-request-target nil)))))
     (values (let ((path (subseq uri 0 (or path-end length))))
-              (if plus-is-space-p (nsubstitute #\Space #\+ path) path))
+              (if (and plus-is-space-p plus-in-path-p) (nsubstitute #\Space #\+ path) path))
             (when path-end
               (subseq uri (1+ path-end))))))
 
