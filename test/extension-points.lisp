@@ -131,6 +131,41 @@ it says bye."
       (usocket:socket-close socket))
     (is (eql 200 (http-get *server* "/test/yo")))))
 
+(defclass stream-reset-counting-mixin ()
+  ((resets :initform 0 :accessor stream-resets
+           :documentation "How many times HUNCHENTOOT:RESET-CONNECTION-STREAM ran."))
+  (:documentation "Counts the resets of the connection stream, as a mixin that
+checks or swaps that stream between requests sees them."))
+
+(defmethod ht:reset-connection-stream :after ((acceptor stream-reset-counting-mixin) stream)
+  (declare (ignore stream))
+  (incf (stream-resets acceptor)))
+
+(defclass reset-counting-easy-acceptor (stream-reset-counting-mixin ht:easy-acceptor) ())
+
+(defclass reset-counting-parallel-acceptor (stream-reset-counting-mixin parallel-easy-acceptor) ())
+
+(eval-when (:compile-toplevel :load-toplevel :execute)
+  (defparameter *reset-counting-acceptor-classes*
+    '(reset-counting-easy-acceptor reset-counting-parallel-acceptor)))
+
+(define-http-test mixin.stream-reset-after-each-request (:classes *reset-counting-acceptor-classes*)
+  ;; The reset comes after the reply has gone: hence the wait.
+  (let ((socket (connect *server*)))
+    (unwind-protect
+         (dotimes (i 3)
+           (send-text socket (crlf-lines "GET /test/yo HTTP/1.1" "Host: localhost" ""))
+           (is (eql 200 (read-response socket)))
+           (is (wait-until (lambda () (eql (1+ i) (stream-resets *server*))) :timeout 5)
+               "~D resets after ~D requests on one connection" (stream-resets *server*) (1+ i)))
+      (usocket:socket-close socket))))
+
+(test mixin.stream-reset-left-out-only-when-hunchentoots-alone
+  (is (not (hrt::plain-streams-reset-p (make-instance 'parallel-easy-acceptor)))
+      "Hunchentoot's method alone returns a plain stream as it is")
+  (is (hrt::plain-streams-reset-p (make-instance 'reset-counting-parallel-acceptor))
+      "another method is called"))
+
 (ht:define-easy-handler (test-warn :uri "/test/warn") ()
   (warn "A warning from a handler, on purpose.")
   "warned")

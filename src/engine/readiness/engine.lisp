@@ -21,6 +21,10 @@ acceptor is stopped.")
              :documentation "What the readiness sets of every run have counted.")
    (object-constructors :initform nil :accessor engine-object-constructors
                         :documentation "The OBJECT-CONSTRUCTORS of the current run.")
+   (plain-streams-reset-p :initform t :accessor engine-plain-streams-reset-p
+                          :documentation "False when, as at the start of the
+current run, HUNCHENTOOT:RESET-CONNECTION-STREAM need not be called on a
+plain connection's own stream (serving.lisp, PLAIN-STREAMS-RESET-P).")
    (tls-context :initform nil :accessor engine-tls-context
                 :documentation "The TLS context (tls-handshake.lisp) of the
 current run when the engine takes the acceptor's TLS handshakes, else NIL.")

@@ -43,6 +43,7 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
                                                 (log-refused-request acceptor (connection-addresses connection)
                                                                      status)))
           (engine-object-constructors engine) (make-object-constructors acceptor)
+          (engine-plain-streams-reset-p engine) (plain-streams-reset-p acceptor)
           (engine-sweep-buffer engine)
           (make-array (head-buffer-bytes acceptor) :element-type '(unsigned-byte 8)))))
 

@@ -240,7 +240,11 @@ whole or will; false when the client has gone or the file ended early."
         (connection (engine-reply-connection)))
     (if connection
         (progn
-          (finish-output (current-connection-stream))
+          ;; The connection's stream holds no output to go first: the last
+          ;; reply was finished and a 100 Continue too (ANSWER-REQUEST),
+          ;; and a handler writes to it only after SEND-HEADERS, which
+          ;; leaves the reply to Hunchentoot.
+          (setf (serving-reply-sent-p *serving*) t)
           (when (and (typep body 'octets) (<= (length body) +coalesced-body-bytes+))
             (push-octets body head)
             (setf body nil))

@@ -64,9 +64,12 @@ body refused before the reply began)."
                                 (return-from answer-request (values :refuse refusal)))))))
            (when continue-p
              (write-sequence *continue-reply* stream)
-             (force-output stream))
+             ;; The stream holds no output when the handler runs: a reply
+             ;; the engine sends itself would overtake it.
+             (finish-output stream))
            (setf (serving-reply-connection serving)
                  (and (not chunked-p) (plain-connection-p connection) connection)
+                 (serving-reply-sent-p serving) nil
                  (serving-upgrade serving) nil)
            (with-request-bindings ()
              (setf (current-connection-stream) (if chunked-p content-stream stream))
@@ -81,9 +84,16 @@ body refused before the reply began)."
                    (declare (dynamic-extent #'process-request))
                    (call-with-request-counted acceptor (serving-requests-in-progress-location serving)
                                               #'process-request)))
-               (finish-output (current-connection-stream))
-               (setf (current-connection-stream)
-                     (hunchentoot:reset-connection-stream acceptor (current-connection-stream)))
+               ;; Neither touches the stream after a reply the engine sent
+               ;; on a plain connection's own stream when only Hunchentoot's
+               ;; method resets it: at 1,000 connections the stream is cold.
+               (unless (serving-reply-sent-p serving)
+                 (finish-output (current-connection-stream)))
+               (unless (and (serving-reply-connection serving)
+                            (eq (current-connection-stream) stream)
+                            (not (serving-plain-streams-reset-p serving)))
+                 (setf (current-connection-stream)
+                       (hunchentoot:reset-connection-stream acceptor (current-connection-stream))))
                (setf status (hunchentoot:return-code reply)
                      outcome (cond ((not (close-connection-stream-p)) :let-go)
                                    ((and (serving-upgrade serving) (eql status hunchentoot:+http-switching-protocols+))

@@ -38,6 +38,12 @@
   ;; While a request on a plain connection is answered, that CONNECTION: a
   ;; reply written as pieces may then be left to the engine.  NIL otherwise.
   (reply-connection nil)
+  ;; True once SEND-REPLY-PIECES has sent the current request's reply on
+  ;; REPLY-CONNECTION's socket itself: the connection's stream then holds no
+  ;; output to finish.
+  (reply-sent-p nil)
+  ;; The engine's PLAIN-STREAMS-RESET-P of this run.
+  (plain-streams-reset-p t :read-only t)
   ;; The WEBSOCKET-UPGRADE of the request being answered once its
   ;; handshake has been accepted, until the connection becomes the
   ;; websocket; NIL otherwise.
@@ -61,6 +67,18 @@ the client made for it."
 pipelined requests."
   (max 32768 (+ +max-request-line-bytes+ (acceptor-max-header-bytes acceptor) 1024)))
 
+(defun plain-streams-reset-p (acceptor)
+  "False when the only HUNCHENTOOT:RESET-CONNECTION-STREAM method for
+ACCEPTOR and a plain connection's stream is Hunchentoot's, which returns
+a stream that is not chunked as it is: the request cycle then need not
+call it on such a stream (where it would be the first to touch the stream
+since the request began, a cache miss at each)."
+  (let ((methods (applicable-methods #'hunchentoot:reset-connection-stream
+                                     (class-of acceptor) (fd-stream-class))))
+    (not (equal methods
+                (list (find-method #'hunchentoot:reset-connection-stream '()
+                                   (list (find-class 'hunchentoot:acceptor) (find-class t))))))))
+
 (defun make-serving (engine worker)
   "The SERVING of WORKER, a worker of ENGINE, for ENGINE's current run."
   (let ((acceptor (engine-acceptor engine))
@@ -68,6 +86,7 @@ pipelined requests."
     (%make-serving :engine engine :worker worker :set set :acceptor acceptor
                    :buffer (make-array (head-buffer-bytes acceptor) :element-type '(unsigned-byte 8))
                    :constructors (engine-object-constructors engine)
+                   :plain-streams-reset-p (engine-plain-streams-reset-p engine)
                    :keep-alive-header-value (format nil "timeout=~D" (floor (acceptor-keep-alive-timeout acceptor)))
                    :server-header-value (acceptor-server-name acceptor)
                    :counter-stripe (mod (atomic-increment (readiness-set-counting-workers set))
