@@ -152,9 +152,11 @@ in its acceptor's store or in the process."
 before Hunchentoot's own counting of new sessions for SESSION-GC."
   (when (acceptor-session-store acceptor)
     (change-class session 'stored-session)
+    ;; Before the store writes them: when it cannot, the request is answered
+    ;; 503 and its session goes with it.
+    (setf (stored-fields session) (session-stored-fields session))
     (with-session-store (store acceptor)
-      (add-stored-session store session))
-    (setf (stored-fields session) (session-stored-fields session)))
+      (add-stored-session store session)))
   (call-next-method))
 
 (defmethod hunchentoot:acceptor-remove-session ((acceptor parallel-acceptor) (session stored-session))
@@ -200,9 +202,10 @@ handler changed it."
                (not (stored-session-removed-p session)))
       (let ((fields (session-stored-fields session)))
         (unless (equal fields (stored-fields session))
+          ;; Before the store writes them, as in SESSION-CREATED.
+          (setf (stored-fields session) fields)
           (with-session-store (store acceptor)
-            (save-stored-session store session))
-          (setf (stored-fields session) fields))))))
+            (save-stored-session store session)))))))
 
 (defun session-store-unavailable-reply (acceptor)
   "The 503 a request gets when its session's store is unavailable."

@@ -143,8 +143,7 @@ its values as the text a store keeps.")
         :start (ht:session-start session)
         :last-click (hunchentoot-recycling-taskmaster::session-last-click session)
         :max-time (ht:session-max-time session)
-        :data (hunchentoot-recycling-taskmaster::session-data-text
-               (hunchentoot-recycling-taskmaster::session-data session))))
+        :data (hunchentoot-recycling-taskmaster::stored-session-data-text session)))
 
 (defmethod add-stored-session ((store test-session-store) session)
   (test-store-call store (lambda (rows) (setf (gethash (ht:session-id session) rows) (test-store-row session)))))

@@ -51,11 +51,12 @@ in the store, as a new STORED-SESSION; NIL when there is none.  A session
 with ID but another string is neither returned nor touched."))
 
 (defgeneric add-stored-session (store session)
-  (:documentation "Add SESSION, a new STORED-SESSION, to STORE."))
+  (:documentation "Add SESSION, a new STORED-SESSION, to STORE; its values
+are written as STORED-SESSION-DATA-TEXT."))
 
 (defgeneric save-stored-session (store session)
   (:documentation "Write SESSION's string, start, maximum time and values
-to STORE, where its id already is."))
+(STORED-SESSION-DATA-TEXT) to STORE, where its id already is."))
 
 (defgeneric remove-stored-session (store session)
   (:documentation "Remove SESSION from STORE (nothing when it is not there)."))
@@ -85,6 +86,12 @@ start, maximum time and values (as text)."
         (hunchentoot:session-start session)
         (hunchentoot:session-max-time session)
         (session-data-text (session-data session))))
+
+(defun stored-session-data-text (session)
+  "SESSION's values as the text its store keeps, printed when the request
+last looked for changes to SESSION (SESSION-STORED-FIELDS): what ADD- and
+SAVE-STORED-SESSION write, so that the values are printed once."
+  (fourth (stored-fields session)))
 
 (defun make-stored-session (&rest fields &key id string user-agent remote-addr start
                                               last-click data max-time)
