@@ -26,6 +26,11 @@
         (ht:reply-external-format*) (flex:make-external-format :latin-1 :eol-style :lf))
   (format nil "caf~C" (code-char 233)))
 
+(ht:define-easy-handler (test-ascii-text :uri "/test/ascii-text") ((length :parameter-type 'integer))
+  ;; About the length of a body the engine writes in the head's buffer.
+  (setf (ht:content-type*) "text/plain")
+  (make-string length :initial-element #\a))
+
 (ht:define-easy-handler (test-octets :uri "/test/octets") ()
   (setf (ht:content-type*) "application/octet-stream")
   (coerce #(0 1 2 3 255) '(vector (unsigned-byte 8))))
@@ -104,6 +109,9 @@ each sent on a connection of its own."
          (get-request "/test/latin-1")
          (get-request "/test/utf-8?name=%E3%81%82")
          (get-request "/test/octets")
+         (get-request "/test/ascii-text?length=16384")
+         (get-request "/test/ascii-text?length=16385")
+         (crlf-lines "HEAD /test/ascii-text?length=10 HTTP/1.1" "Host: localhost" "")
          (get-request "/test/no-such-page")
          (get-request "/test/yo" "Connection: close")
          (crlf-lines "GET /test/yo HTTP/1.0" "Connection: keep-alive" "")
@@ -111,7 +119,10 @@ each sent on a connection of its own."
          (get-request "/test/chunked-reply")
          (concatenate 'string
                       (crlf-lines "POST /test/body HTTP/1.1" "Host: localhost" "Content-Length: 5" "")
-                      "hello"))))
+                      "hello")
+         ;; A chunked body: the reply is written to the connection's stream.
+         (crlf-lines "POST /test/body HTTP/1.1" "Host: localhost" "Transfer-Encoding: chunked" ""
+                     "5" "hello" "0" ""))))
 
 (test replies.keep-alive-read-as-hunchentoot-reads-it
   (dolist (persistent '(t nil))

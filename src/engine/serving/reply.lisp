@@ -114,32 +114,49 @@ ASCII character as its code, one octet, a newline included."
           (setf *ascii-compatible-format* (list external-format answer))
           answer))))
 
-(defun ascii-octets (string)
-  "The codes of STRING's characters as octets when they are all ASCII, else
-NIL."
-  (macrolet ((encode (type)
-               `(let ((string (the ,type string)))
-                  (when (every (lambda (char) (< (char-code char) 128)) string)
-                    (let ((octets (make-array (length string) :element-type '(unsigned-byte 8))))
-                      (dotimes (index (length string) octets)
-                        (setf (aref octets index) (char-code (char string index)))))))))
-    (typecase string
-      ((simple-array character (*)) (encode (simple-array character (*))))
-      (simple-base-string (encode simple-base-string))
-      (t (encode string)))))
+(defconstant +coalesced-body-bytes+ 16384
+  "A body of at most these octets goes into the head's buffer, so that head
+and body leave in one send(2).")
 
-(defun body-octets (content)
-  "CONTENT as octets; a string is encoded in the reply's external format,
-and the charset added to a text content type, as START-OUTPUT does.  An
-ASCII string in a format that writes ASCII as itself is copied, not
-encoded by flexi-streams, whose generic encoder cost 2% of a 0 ms request."
+(defun ascii-string-p (string)
+  "True when every character of STRING is ASCII."
+  ;; A loop for each kind of simple string, which are what handlers give.
+  (macrolet ((scan (type)
+               `(every (lambda (char) (< (char-code char) 128)) (the ,type string))))
+    (typecase string
+      ((simple-array character (*)) (scan (simple-array character (*))))
+      (simple-base-string (scan simple-base-string))
+      (t (scan string)))))
+
+(defun ascii-string-octets (string)
+  "The codes of the characters of STRING, all ASCII, as octets."
+  (let ((octets (make-array (length string) :element-type '(unsigned-byte 8))))
+    (macrolet ((copy (type)
+                 `(let ((string (the ,type string)))
+                    (dotimes (index (length string) octets)
+                      (setf (aref octets index) (char-code (char string index)))))))
+      (typecase string
+        ((simple-array character (*)) (copy (simple-array character (*))))
+        (simple-base-string (copy simple-base-string))
+        (t (copy string))))))
+
+(defun reply-body (content)
+  "CONTENT, a string or octets, as the body SEND-REPLY-PIECES sends: octets,
+or a string of at most +COALESCED-BODY-BYTES+ ASCII characters, whose codes
+are its octets, left as it is to be written with the head (no octets are
+made for it).  A string is encoded in the reply's external format, and the
+charset added to a text content type, as START-OUTPUT does; an ASCII string
+in a format that writes ASCII as itself is not encoded by flexi-streams,
+whose generic encoder cost 2% of a 0 ms request."
   (if (stringp content)
       (let ((external-format (hunchentoot:reply-external-format*)))
         (setf (hunchentoot:content-type*)
               (content-type-with-charset (hunchentoot:content-type*) external-format))
-        (or (and (ascii-compatible-format-p external-format) (ascii-octets content))
-            (flex:string-to-octets content :external-format external-format)))
-      content))
+        (cond ((not (and (ascii-compatible-format-p external-format) (ascii-string-p content)))
+               (flex:string-to-octets content :external-format external-format))
+              ((<= (length content) +coalesced-body-bytes+) content)
+              (t (ascii-string-octets content))))
+      (coerce content 'octets)))
 
 ;;; Writing it.
 
@@ -213,10 +230,6 @@ all went whole."
                           t)
                    (copy-file-octets file-fd stream (piece-start piece) (piece-end piece)))))
 
-(defconstant +coalesced-body-bytes+ 16384
-  "A body of at most these octets goes into the head's buffer, so that head
-and body leave in one send(2).")
-
 (defun engine-reply-connection ()
   "The plain connection a reply may be left to the engine on: the
 current request's, when the handler neither detached it nor wrapped its
@@ -229,13 +242,14 @@ stream.  NIL otherwise."
 
 (defun send-reply-pieces (request return-code content-length body &optional file-fd)
   "Send RETURN-CODE's head (see BUILD-REPLY-HEAD) for a body of
-CONTENT-LENGTH octets, then BODY: NIL, octets, or a list of pieces whose
-file pieces are read from FILE-FD, which stays the caller's.  On a plain
-connection the reply is sent without waiting and what the socket does not
-take is left to the engine, which sends it when the client reads; a body of
-octets up to +COALESCED-BODY-BYTES+ goes in the head's buffer.  Elsewhere
-it is written to the current connection stream.  True when the body went
-whole or will; false when the client has gone or the file ended early."
+CONTENT-LENGTH octets, then BODY: NIL, octets, a string of REPLY-BODY's,
+or a list of pieces whose file pieces are read from FILE-FD, which stays
+the caller's.  On a plain connection the reply is sent without waiting and
+what the socket does not take is left to the engine, which sends it when
+the client reads; a string, or octets up to +COALESCED-BODY-BYTES+, go in
+the head's buffer.  Elsewhere it is written to the current connection
+stream.  True when the body went whole or will; false when the client has
+gone or the file ended early."
   (let ((head (build-reply-head request return-code content-length))
         (connection (engine-reply-connection)))
     (if connection
@@ -245,21 +259,24 @@ whole or will; false when the client has gone or the file ended early."
           ;; and a handler writes to it only after SEND-HEADERS, which
           ;; leaves the reply to Hunchentoot.
           (setf (serving-reply-sent-p *serving*) t)
-          (when (and (typep body 'octets) (<= (length body) +coalesced-body-bytes+))
-            (push-octets body head)
-            (setf body nil))
+          (typecase body
+            (string (push-text body head)
+             (setf body nil))
+            (octets (when (<= (length body) +coalesced-body-bytes+)
+                      (push-octets body head)
+                      (setf body nil))))
           (send-reply-without-waiting (serving-set *serving*) connection
                                       (reply-head-octets head) (reply-head-end head) body file-fd))
         (let ((stream (current-connection-stream)))
           (write-sequence (reply-head-octets head) stream :end (reply-head-end head))
-          (write-pieces (body-pieces body) file-fd stream)))))
+          (write-pieces (body-pieces (if (stringp body) (ascii-string-octets body) body)) file-fd stream)))))
 
 (defun send-octets-reply (request return-code content)
   "Send RETURN-CODE with the body CONTENT, a string or octets, head and
 body as octets (SEND-REPLY-PIECES).  No body for HEAD."
-  (let ((octets (coerce (body-octets content) 'octets)))
-    (unless (send-reply-pieces request return-code (length octets)
-                               (unless (eq (hunchentoot:request-method request) :head) octets))
+  (let ((body (reply-body content)))
+    (unless (send-reply-pieces request return-code (length body)
+                               (unless (eq (hunchentoot:request-method request) :head) body))
       (setf (finish-processing-connection-p) t))))
 
 (defun send-switching-protocols-reply ()
