@@ -99,6 +99,53 @@ each sent on a connection of its own."
         for ours in (apply #'replies-of 'parallel-easy-acceptor requests initargs)
         do (is (equal theirs ours) "~S~%Hunchentoot's reply:~%~A~%ours:~%~A" request theirs ours)))
 
+;;; The text functions of the reply and the Host check, over every kind of
+;;; string a handler or the head's parser may give (WITH-STRING-KIND).
+
+(defun every-kind-of-string (text)
+  "TEXT as a (SIMPLE-ARRAY CHARACTER (*)), as a SIMPLE-BASE-STRING when its
+characters are base characters, and as a string with a fill pointer."
+  (append (list (coerce text '(simple-array character (*))))
+          (when (every (lambda (char) (typep char 'base-char)) text)
+            (list (coerce text 'simple-base-string)))
+          (list (make-array (length text) :element-type 'character :initial-contents text
+                                          :adjustable t :fill-pointer t))))
+
+(defun pushed-text-octets (string)
+  "The octets PUSH-TEXT writes for STRING into a new reply head."
+  (let ((head (hunchentoot-recycling-taskmaster::make-reply-head)))
+    (hunchentoot-recycling-taskmaster::push-text string head)
+    (subseq (hunchentoot-recycling-taskmaster::reply-head-octets head)
+            0 (hunchentoot-recycling-taskmaster::reply-head-end head))))
+
+(test string-kinds.same-answers-for-every-kind-of-string
+  (dolist (text (list "Hey!" "" "example.org:8080" "[::1]:80" "a b" "x:80a"
+                      (format nil "split~C~Cline" #\Return #\Newline) (format nil "nul~C" (code-char 0))
+                      (format nil "caf~C" (code-char 233)) (format nil "~C-calculus" (code-char 955))))
+    (let ((ascii-p (every (lambda (char) (< (char-code char) 128)) text))
+          (codes (map '(vector (unsigned-byte 8)) (lambda (char) (min (char-code char) 255)) text))
+          (latin-1 (map '(vector (unsigned-byte 8))
+                        (lambda (char) (if (< (char-code char) 256) (char-code char) (char-code #\?)))
+                        text))
+          (unsafe-p (some (lambda (char) (member (char-code char) '(0 10 13))) text))
+          (authority-p (hunchentoot-recycling-taskmaster::valid-authority-p
+                        (coerce text '(simple-array character (*))))))
+      (dolist (string (every-kind-of-string text))
+        (is (eq ascii-p (hunchentoot-recycling-taskmaster::ascii-string-p string)) "ascii-string-p of ~S, a ~S" text (type-of string))
+        (when ascii-p
+          (is (equalp codes (hunchentoot-recycling-taskmaster::ascii-string-octets string))
+              "ascii-string-octets of ~S, a ~S" text (type-of string)))
+        (is (equalp latin-1 (pushed-text-octets string)) "push-text of ~S, a ~S" text (type-of string))
+        (is (eq (and unsafe-p t) (and (hunchentoot-recycling-taskmaster::unsafe-header-text-p string) t))
+            "unsafe-header-text-p of ~S, a ~S" text (type-of string))
+        (is (eq authority-p (hunchentoot-recycling-taskmaster::valid-authority-p string))
+            "valid-authority-p of ~S, a ~S" text (type-of string)))))
+  ;; The Host check itself, on the strings above.
+  (is-true (hunchentoot-recycling-taskmaster::valid-authority-p "example.org:8080"))
+  (is-true (hunchentoot-recycling-taskmaster::valid-authority-p "[::1]:80"))
+  (is-false (hunchentoot-recycling-taskmaster::valid-authority-p "a b"))
+  (is-false (hunchentoot-recycling-taskmaster::valid-authority-p "x:80a")))
+
 (test replies.same-octets-as-hunchentoot
   (check-same-replies
    (list (get-request "/test/yo")

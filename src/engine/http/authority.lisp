@@ -22,32 +22,26 @@ string included: a bracketed IP literal of hex digits, colons and dots, or
 reg-name characters; then, optionally, a colon and digits.  Conses nothing:
 it runs for every request."
   (declare (type string authority))
-  ;; Loops over a simple string of known kind, which is what the head's
-  ;; parser makes: over a string of unknown kind this cost 3% of a request.
-  (macrolet ((check (type)
-               `(let ((authority (the ,type authority)))
-                  (macrolet ((char-position (char string)
-                               `(loop for index of-type fixnum from 0 below (length ,string)
-                                      when (char= (char ,string index) ,char) return index))
-                             (all (test start end)
-                               `(loop for index of-type fixnum from ,start below ,end
-                                      always (let ((char (char authority index))) ,test))))
-                    (let* ((length (length authority))
-                           (host-end (if (and (plusp length) (char= (char authority 0) #\[))
-                                         (let ((close (char-position #\] authority)))
-                                           (and close
-                                                (all (or (digit-char-p char 16) (char= char #\:) (char= char #\.))
-                                                     1 close)
-                                                (1+ close)))
-                                         (let ((colon (or (char-position #\: authority) length)))
-                                           (and (all (reg-name-char-p char) 0 colon) colon)))))
-                      (and host-end
-                           (or (= host-end length)
-                               (and (char= (char authority host-end) #\:)
-                                    (all (char<= #\0 char #\9) (1+ host-end) length)))))))))
-    (typecase authority
-      ((simple-array character (*)) (check (simple-array character (*))))
-      (t (check string)))))
+  (with-string-kind (authority)
+    (macrolet ((char-position (char string)
+                 `(loop for index of-type fixnum from 0 below (length ,string)
+                        when (char= (char ,string index) ,char) return index))
+               (all (test start end)
+                 `(loop for index of-type fixnum from ,start below ,end
+                        always (let ((char (char authority index))) ,test))))
+      (let* ((length (length authority))
+             (host-end (if (and (plusp length) (char= (char authority 0) #\[))
+                           (let ((close (char-position #\] authority)))
+                             (and close
+                                  (all (or (digit-char-p char 16) (char= char #\:) (char= char #\.))
+                                       1 close)
+                                  (1+ close)))
+                           (let ((colon (or (char-position #\: authority) length)))
+                             (and (all (reg-name-char-p char) 0 colon) colon)))))
+        (and host-end
+             (or (= host-end length)
+                 (and (char= (char authority host-end) #\:)
+                      (all (char<= #\0 char #\9) (1+ host-end) length))))))))
 
 (defun absolute-form-authority (uri)
   "The authority of URI when it is in absolute form (RFC 9112 3.2.2), else NIL."

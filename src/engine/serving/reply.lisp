@@ -120,25 +120,16 @@ and body leave in one send(2).")
 
 (defun ascii-string-p (string)
   "True when every character of STRING is ASCII."
-  ;; A loop for each kind of simple string, which are what handlers give.
-  (macrolet ((scan (type)
-               `(every (lambda (char) (< (char-code char) 128)) (the ,type string))))
-    (typecase string
-      ((simple-array character (*)) (scan (simple-array character (*))))
-      (simple-base-string (scan simple-base-string))
-      (t (scan string)))))
+  (with-string-kind (string)
+    (every (lambda (char) (< (char-code char) 128)) string)))
 
 (defun ascii-string-octets (string)
   "The codes of the characters of STRING, all ASCII, as octets."
   (let ((octets (make-array (length string) :element-type '(unsigned-byte 8))))
-    (macrolet ((copy (type)
-                 `(let ((string (the ,type string)))
-                    (dotimes (index (length string) octets)
-                      (setf (aref octets index) (char-code (char string index)))))))
-      (typecase string
-        ((simple-array character (*)) (copy (simple-array character (*))))
-        (simple-base-string (copy simple-base-string))
-        (t (copy string))))))
+    (with-string-kind (string)
+      (dotimes (index (length string))
+        (setf (aref octets index) (char-code (char string index)))))
+    octets))
 
 (defun reply-body (content)
   "CONTENT, a string or octets, as the body SEND-REPLY-PIECES sends: octets,

@@ -1,0 +1,18 @@
+;;;; Loops over a string's characters compiled for each kind of simple
+;;;; string: the head's parser and handlers give simple strings, and a loop
+;;;; over a string of unknown kind reads each character through a generic
+;;;; accessor (a FIND-IF over header values cost 4% of a 0 ms request, the
+;;;; Host check 3%).
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defmacro with-string-kind ((string) &body body)
+  "Run BODY, which loops over the characters of the string in the variable
+STRING, with STRING declared the kind of simple string it is: BODY is
+compiled once for each kind, and once for any other string."
+  `(typecase ,string
+     ((simple-array character (*))
+      (let ((,string ,string)) (declare (type (simple-array character (*)) ,string)) ,@body))
+     (simple-base-string
+      (let ((,string ,string)) (declare (type simple-base-string ,string)) ,@body))
+     (t ,@body)))
