@@ -155,7 +155,9 @@ ARRIVING-BODY, after a 100 Continue if its client waits for one; then read
 what has arrived of it (ANSWER-ARRIVED-BODY)."
   (when (expects-continue-p head)
     (write-sequence *continue-reply* (connection-stream connection))
-    (force-output (connection-stream connection)))
+    ;; Finished, as in ANSWER-REQUEST: a reply the engine sends itself
+    ;; would overtake output left in the stream.
+    (finish-output (connection-stream connection)))
   (start-arriving-body (serving-set serving) connection head length framing (serving-buffer serving) head-end end)
   (answer-arrived-body serving connection))
 
