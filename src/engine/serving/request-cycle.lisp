@@ -33,6 +33,12 @@
 
 ;;; One request.
 
+(defun send-continue-reply (stream)
+  "Write a 100 Continue to STREAM, the connection's, and finish it: a reply
+the engine sends itself on the socket would overtake output left in it."
+  (write-sequence *continue-reply* stream)
+  (finish-output stream))
+
 (defun answer-request (serving connection head content-stream chunked-p continue-p)
   "Answer the request whose REQUEST-HEAD is HEAD: make its request object,
 process it with Hunchentoot's specials bound, flush the reply and reset the
@@ -63,10 +69,7 @@ body refused before the reply began)."
                               (when refusal
                                 (return-from answer-request (values :refuse refusal)))))))
            (when continue-p
-             (write-sequence *continue-reply* stream)
-             ;; The stream holds no output when the handler runs: a reply
-             ;; the engine sends itself would overtake it.
-             (finish-output stream))
+             (send-continue-reply stream))
            (setf (serving-reply-connection serving)
                  (and (not chunked-p) (plain-connection-p connection) connection)
                  (serving-reply-sent-p serving) nil
@@ -154,10 +157,7 @@ whose first octets lie in the buffer from HEAD-END below END, CONNECTION's
 ARRIVING-BODY, after a 100 Continue if its client waits for one; then read
 what has arrived of it (ANSWER-ARRIVED-BODY)."
   (when (expects-continue-p head)
-    (write-sequence *continue-reply* (connection-stream connection))
-    ;; Finished, as in ANSWER-REQUEST: a reply the engine sends itself
-    ;; would overtake output left in the stream.
-    (finish-output (connection-stream connection)))
+    (send-continue-reply (connection-stream connection)))
   (start-arriving-body (serving-set serving) connection head length framing (serving-buffer serving) head-end end)
   (answer-arrived-body serving connection))
 
