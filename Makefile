@@ -14,6 +14,7 @@
 # make bench-websockets  10,000 idle websockets, a broadcast, 1,000 echo clients for 60 s, a client that reads nothing; ours and hunchensocket
 # make bench-https       GET /yo over TLS, kept alive and a new TLS connection per request, ours, Hunchentoot's and nginx
 # make bench-threaded-floor  the 1 ms handler cells for a bare server of 100 threads, ours and nginx: what threads can do here
+# make bench-scheduling  the handler cells for ours with its workers under SCHED_OTHER and under SCHED_BATCH
 # Each target installs the Debian packages it needs first (make deps).
 
 PORT ?= 4242
@@ -33,7 +34,7 @@ BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox pr
                  libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \
                  cl-trivial-gray-streams cl-alexandria cl-global-vars cl-trivial-garbage
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-https bench-websockets bench-threaded-floor
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-https bench-websockets bench-threaded-floor bench-scheduling
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -97,3 +98,6 @@ bench-websockets: bench-deps
 
 bench-threaded-floor: bench-deps
 	bench/run threaded-floor
+
+bench-scheduling: bench-deps
+	bench/run scheduling

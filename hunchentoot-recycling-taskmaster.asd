@@ -168,7 +168,8 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "chunked-body")
                (:file "sessions")
                (:file "websockets")
-               (:file "threaded-floor")))
+               (:file "threaded-floor")
+               (:file "scheduling")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
   :description "The demo server that `make run` starts."

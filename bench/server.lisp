@@ -145,10 +145,13 @@ by every reply, as a handler returning a cached page shares it.")
   ;; 100 is the thread budget Hunchentoot's default taskmaster has.
   (net.aserve:start :host "127.0.0.1" :port port :listeners 100))
 
-(defun start-server (kind port &key reuse-port)
+(defun start-server (kind port &key reuse-port worker-scheduling-policy)
   (ecase kind
     (:hunchentoot (start-hunchentoot port 'ht:easy-acceptor))
-    (:parallel (start-hunchentoot port 'hrt:parallel-easy-acceptor :reuse-port reuse-port))
+    (:parallel (apply #'start-hunchentoot port 'hrt:parallel-easy-acceptor :reuse-port reuse-port
+                      (and worker-scheduling-policy
+                           (list :taskmaster (make-instance 'hrt:recycling-taskmaster
+                                                            :worker-scheduling-policy worker-scheduling-policy)))))
     (:aserve (start-aserve port))))
 
 (defun serve-static-folder (kind folder)
@@ -161,16 +164,18 @@ Hunchentoot's folder dispatcher, ours, or AllegroServe's directory."
                      ht:*dispatch-table*))
     (:aserve (net.aserve:publish-directory :prefix "/static/" :destination folder))))
 
-(defun serve (kind port &key (delay-ms 0) reuse-port static-folder ssl-port ssl-certificate ssl-key)
+(defun serve (kind port &key (delay-ms 0) reuse-port worker-scheduling-policy static-folder
+                             ssl-port ssl-certificate ssl-key)
   "Start the server KIND on 127.0.0.1:PORT (with SO_REUSEPORT when
-REUSE-PORT, ours only), serving STATIC-FOLDER under /static/ when given,
+REUSE-PORT, and the taskmaster's WORKER-SCHEDULING-POLICY when given, ours
+only), serving STATIC-FOLDER under /static/ when given,
 and serve until killed.  With SSL-PORT, the server (ours or Hunchentoot's)
 also serves TLS there with the SSL-CERTIFICATE and SSL-KEY files, and
 /pool-stats describes that acceptor."
   (setf *handler-delay* (and (plusp delay-ms) (/ delay-ms 1000)))
   (when static-folder
     (serve-static-folder kind static-folder))
-  (start-server kind port :reuse-port reuse-port)
+  (start-server kind port :reuse-port reuse-port :worker-scheduling-policy worker-scheduling-policy)
   (when ssl-port
     (start-hunchentoot ssl-port (if (eq kind :hunchentoot) 'ht:easy-ssl-acceptor 'hrt:parallel-easy-ssl-acceptor)
                        :ssl-certificate-file ssl-certificate :ssl-privatekey-file ssl-key))

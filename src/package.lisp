@@ -65,6 +65,7 @@ hunchentoot-recycling-taskmaster, which calls it WS.")
    #:taskmaster-max-waiting-thread-count
    #:taskmaster-thread-idle-timeout
    #:taskmaster-stop-timeout
+   #:taskmaster-worker-scheduling-policy
 
    ;; Sessions kept in a store shared by processes (acceptor-sessions.lisp):
    ;; the protocol a store implements, and the PostgreSQL store (the system

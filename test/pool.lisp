@@ -47,6 +47,9 @@ bound to STANDBY-VAR, each time with a thread-leak check."
     (is (rejected-p :stop-timeout -1))
     (is (rejected-p :max-waiting-thread-count 0))
     (is (rejected-p :max-waiting-thread-count nil))
+    (is (rejected-p :worker-scheduling-policy :fifo))
+    (is (rejected-p :worker-scheduling-policy "batch"))
+    (is (not (rejected-p :worker-scheduling-policy nil)))
     (is (not (rejected-p :standby-thread-count 4 :max-thread-count 4 :max-accept-count nil)))
     (is (not (rejected-p :max-thread-count nil :max-accept-count nil)))))
 
@@ -56,7 +59,8 @@ bound to STANDBY-VAR, each time with a thread-leak check."
     (is (= 8 *default-standby-thread-count*))
     (is (= 100 (ht:taskmaster-max-thread-count taskmaster)))
     (is (= 120 (ht:taskmaster-max-accept-count taskmaster)))
-    (is (= (max 2 (1+ (processors-online))) (taskmaster-max-waiting-thread-count taskmaster))))
+    (is (= (max 2 (1+ (processors-online))) (taskmaster-max-waiting-thread-count taskmaster)))
+    (is (null (taskmaster-worker-scheduling-policy taskmaster))))
   (dolist (class '(parallel-acceptor parallel-easy-acceptor))
     (is (eql 0 (getf (taskmaster-statistics (make-instance class)) :threads))
         "~S has a recycling taskmaster by default" class)))
@@ -87,6 +91,34 @@ that joins the client (see IN-THREAD)."
     (is (= standby (stats server :threads)))
     (is (= standby (stats server :accepting-threads)))
     (is (eql 200 (http-get server "/test/yo")))))
+
+(defun thread-scheduling-policy (thread)
+  "THREAD's scheduling policy as the kernel tells it: :BATCH, :OTHER or the
+number of another."
+  (let ((policy (sb-alien:alien-funcall
+                 (sb-alien:extern-alien "sched_getscheduler" (function sb-alien:int sb-alien:int))
+                 (sb-thread::thread-os-tid thread))))
+    (case policy (0 :other) (3 :batch) (t policy))))
+
+(defun pool-threads (kind)
+  "The live threads of the running pool whose name holds KIND."
+  (remove-if-not (lambda (thread) (search kind (bt:thread-name thread))) (bt:all-threads)))
+
+(test pool.workers-take-the-scheduling-policy
+  (let ((inherited (thread-scheduling-policy (bt:current-thread))))
+    (loop for (policy expected) in `((:batch :batch) (:other :other) (nil ,inherited))
+          do (with-thread-leak-check ()
+               (with-server (server (pooled-server :standby-thread-count 2 :worker-scheduling-policy policy))
+                 ;; Grown under load: a worker made later takes the policy too.
+                 (is (every (lambda (status) (eql 200 status))
+                            (concurrent-gets server "/test/sleep?ms=50" 10)))
+                 (let ((workers (pool-threads "recycling-worker")))
+                   (is (< 2 (length workers)) "the pool grew")
+                   (is (every (lambda (worker) (eq expected (thread-scheduling-policy worker))) workers)
+                       "workers under ~S have ~S" policy (mapcar #'thread-scheduling-policy workers)))
+                 (is (equal (list inherited)
+                            (mapcar #'thread-scheduling-policy (pool-threads "recycling-thread-maker")))
+                     "the thread-making thread keeps the policy it inherits"))))))
 
 (define-pool-test pool.grows-under-load-and-shrinks-after (standby)
   (with-server (server (pooled-server :standby-thread-count standby :thread-idle-timeout 0.2))

@@ -67,6 +67,11 @@ retires."))
 workers to finish and end, waits for requests in flight included, before it
 signals RECYCLING-TASKMASTER-CORRUPTED-ERROR."))
 
+(defgeneric taskmaster-worker-scheduling-policy (taskmaster)
+  (:documentation "The kernel's scheduling policy TASKMASTER's workers take:
+:BATCH (SCHED_BATCH, sched(7)), :OTHER (SCHED_OTHER), or NIL for the one
+they inherit."))
+
 (defstruct (pool-gauges (:constructor make-pool-gauges ()))
   "The pool's counts that change on every request, kept as atomic words."
   ;; Workers in (or entering) the engine's wait for something to serve.
@@ -113,6 +118,25 @@ looks at the pool; a surplus worker that waited this long retires.")
     :reader taskmaster-stop-timeout
     :documentation "Seconds HUNCHENTOOT:STOP may take for the workers to
 finish and end, before it calls the pool corrupted.")
+   (worker-scheduling-policy
+    :initarg :worker-scheduling-policy
+    :reader taskmaster-worker-scheduling-policy
+    :documentation "The scheduling policy each worker gives its own thread as
+it starts, or NIL, the default, for the one it inherits (the kernel's
+default, SCHED_OTHER, unless the process was started otherwise, as by
+chrt(1)).  Under :OTHER a worker woken -- its handler's sleep or database
+reply over, a connection's bytes come -- may preempt the thread running;
+under :BATCH it waits instead until that thread blocks
+or its time slice ends: workers are interchangeable, and preempting one in
+the middle of a request to run another costs two thread switches and the
+first one's warm caches.  Measured side by side (bench/run scheduling,
+bench/profiles/2026-11-25-batch-scheduling.txt), :BATCH answers a tenth to
+a sixth more kept-alive requests, with the same p99; but a worker woken
+for the listening socket waits its turn too, so when more clients connect
+at once than the listen backlog holds, accepting lags, the kernel drops
+connections and clients retry a second later: at 1,000 clients each making
+one 1 ms request per connection, p99 rose from 55 ms to 626 ms and wrk
+timed some out.  Threads a handler starts inherit its worker's policy.")
    (engine
     :initform nil :accessor taskmaster-engine
     :documentation "The CONNECTION-ENGINE the workers serve, made by the first
@@ -178,7 +202,8 @@ grow while every processor already had a worker running, and did not.")
    :max-waiting-thread-count (default-max-waiting-thread-count)
    :max-accept-count (default-max-accept-count)
    :thread-idle-timeout 1
-   :stop-timeout 10)
+   :stop-timeout 10
+   :worker-scheduling-policy nil)
   (:documentation "A taskmaster whose pooled worker threads all wait on the
 acceptor's connection engine (by default one epoll set holding the listening
 socket and every connection waiting for bytes) and serve whatever is ready:
@@ -217,6 +242,10 @@ seconds without work.  Needs a PARALLEL-ACCEPTOR."))
             do (error 'invalid-taskmaster-configuration
                       :initarg initarg :value seconds
                       :reason "must be a positive number of seconds"))
+    (unless (member (taskmaster-worker-scheduling-policy taskmaster) '(nil :batch :other))
+      (error 'invalid-taskmaster-configuration
+             :initarg :worker-scheduling-policy :value (taskmaster-worker-scheduling-policy taskmaster)
+             :reason "must be :BATCH, :OTHER or NIL"))
     (when (and max-threads (< max-threads standby))
       (error 'invalid-taskmaster-configuration
              :initarg :standby-thread-count :value standby

@@ -8,6 +8,10 @@
 (defun run-worker (taskmaster worker)
   "The body of WORKER's thread: serve through the engine until told to end."
   (setf (worker-thread worker) (bt:current-thread))
+  (let ((policy (taskmaster-worker-scheduling-policy taskmaster)))
+    (unless (or (null policy) (set-current-thread-scheduling-policy policy))
+      (log-safely (hunchentoot:taskmaster-acceptor taskmaster)
+                  :warning "a worker could not take the scheduling policy ~S" policy)))
   (let ((*worker* worker))
     (unwind-protect
          (engine-run-worker (taskmaster-engine taskmaster) worker)

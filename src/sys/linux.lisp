@@ -83,6 +83,13 @@ __EPOLL_PACKED), naturally aligned elsewhere.")
 
 (defconstant +clock-monotonic+ 1)
 
+(defconstant +sched-other+ 0
+  "sched(7)'s default time-sharing policy.")
+
+(defconstant +sched-batch+ 3
+  "sched(7)'s time-sharing policy for threads whose wake-up should not
+preempt the thread running.")
+
 (defconstant +sc-nprocessors-onln+ 84
   "sysconf(3)'s name for the number of processors online (glibc).")
 

@@ -56,3 +56,13 @@ to NEW if it is EQ to OLD.  True when it was."
                 (sb-alien:extern-alien "sysconf" (function sb-alien:long sb-alien:int))
                 +sc-nprocessors-onln+)))
     (if (plusp count) count 1)))
+
+(defun set-current-thread-scheduling-policy (policy)
+  "Give the calling thread POLICY, :BATCH or :OTHER (sched(7)'s SCHED_BATCH
+and SCHED_OTHER, at priority 0, which needs no privilege).  True when the
+kernel took it."
+  (sb-alien:with-alien ((priority sb-alien:int 0))
+    (zerop (sb-alien:alien-funcall
+            (sb-alien:extern-alien "sched_setscheduler"
+                                   (function sb-alien:int sb-alien:int sb-alien:int (* sb-alien:int)))
+            0 (ecase policy (:batch +sched-batch+) (:other +sched-other+)) (sb-alien:addr priority)))))
