@@ -130,13 +130,15 @@ under :BATCH it waits instead until that thread blocks
 or its time slice ends: workers are interchangeable, and preempting one in
 the middle of a request to run another costs two thread switches and the
 first one's warm caches.  Measured side by side (bench/run scheduling,
-bench/profiles/2026-11-25-batch-scheduling.txt), :BATCH answers a tenth to
-a sixth more kept-alive requests, with the same p99; but a worker woken
-for the listening socket waits its turn too, so when more clients connect
-at once than the listen backlog holds, accepting lags, the kernel drops
-connections and clients retry a second later: at 1,000 clients each making
-one 1 ms request per connection, p99 rose from 55 ms to 626 ms and wrk
-timed some out.  Threads a handler starts inherit its worker's policy.")
+bench/profiles/2026-11-25-batch-scheduling.txt), :BATCH answered a third
+more kept-alive requests to 1 ms handlers and a tenth more with one request
+per connection; but a worker woken for the listening socket waits its turn
+too, so that when a thousand clients connect while the processors are busy,
+accepting lags behind them: p99 rose from 52 ms to 405 ms, and with a
+connection per request the kernel's backlog overflowed and 164 of them
+timed out.  Hence not the default: :BATCH suits a pool whose connections
+are few and long-lived, as behind a proxy that keeps its upstream
+connections alive.  Threads a handler starts inherit its worker's policy.")
    (engine
     :initform nil :accessor taskmaster-engine
     :documentation "The CONNECTION-ENGINE the workers serve, made by the first
