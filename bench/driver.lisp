@@ -11,7 +11,7 @@
     (:name "nginx" :label "nginx, 2 workers" :nginx t))
   "The servers measured, in table and chart order.  The first is the baseline
 that every ratio is taken against.  A :LISP server is a kind that SERVE
-starts in a process of its own; :NGINX runs Debian's nginx; a server with
+starts in a process of its own, given its :SERVE-OPTIONS too; :NGINX runs Debian's nginx; a server with
 :LAUNCH is started by that function, called as LAUNCH-SERVER is.")
 
 (defparameter *static-files*
@@ -160,10 +160,10 @@ to SERVE (ours only)."
      (uiop:launch-program
       (list "sbcl" "--core" (or (getf server :core) core) "--noinform" "--non-interactive" "--disable-debugger"
             "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve ~S ~D :delay-ms ~D :static-folder ~S~
-                                    ~@[ :ssl-port ~D~]~@[ :ssl-certificate ~S~]~@[ :ssl-key ~S~])"
+                                    ~@[ :ssl-port ~D~]~@[ :ssl-certificate ~S~]~@[ :ssl-key ~S~]~{ ~S~})"
                              (getf server :lisp) port delay-ms *static-folder*
                              ssl-port (and ssl-certificate (namestring ssl-certificate))
-                             (and ssl-key (namestring ssl-key))))
+                             (and ssl-key (namestring ssl-key)) (getf server :serve-options)))
       :output log-file :error-output :output :if-output-exists :supersede))))
 
 (defun stop-server (process)

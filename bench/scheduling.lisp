@@ -10,13 +10,8 @@
   "The matrix's server entry for ours with its workers under POLICY."
   (list :name (format nil "parallel-~(~A~)" policy)
         :label (format nil "parallel-easy-acceptor, workers ~A" policy)
-        :launch (lambda (port delay-ms core log-file)
-                  (uiop:launch-program
-                   (list "sbcl" "--core" core "--noinform" "--non-interactive" "--disable-debugger"
-                         "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve :parallel ~D ~
-                                               :delay-ms ~D :worker-scheduling-policy ~S)"
-                                          port delay-ms policy))
-                   :output log-file :error-output :output :if-output-exists :supersede))))
+        :lisp :parallel
+        :serve-options (list :worker-scheduling-policy policy)))
 
 (defun run-scheduling (&key core (rounds 3))
   "The handler workloads of the matrix for ours with its workers under

@@ -126,10 +126,10 @@ it starts, or NIL, the default, for the one it inherits (the kernel's
 default, SCHED_OTHER, unless the process was started otherwise, as by
 chrt(1)).  Under :OTHER a worker woken -- its handler's sleep or database
 reply over, a connection's bytes come -- may preempt the thread running;
-under :BATCH it waits instead until that thread blocks
-or its time slice ends: workers are interchangeable, and preempting one in
-the middle of a request to run another costs two thread switches and the
-first one's warm caches.  Measured side by side (bench/run scheduling,
+under :BATCH it waits instead until that thread blocks or its time slice
+ends: workers are interchangeable, and preempting one in the middle of a
+request to run another costs two thread switches and the first one's warm
+caches.  Measured side by side (bench/run scheduling,
 bench/profiles/2026-11-25-batch-scheduling.txt), :BATCH answered a third
 more kept-alive requests to 1 ms handlers and a tenth more with one request
 per connection; but a worker woken for the listening socket waits its turn
