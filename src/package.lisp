@@ -50,6 +50,7 @@ hunchentoot-recycling-taskmaster, which calls it WS.")
    #:acceptor-reuse-port-p
    #:acceptor-listen-fd
    #:systemd-listen-fd
+   #:acceptor-defer-accept-p
    #:acceptor-max-header-bytes
    #:acceptor-max-body-bytes
    #:acceptor-body-buffer-bytes

@@ -63,6 +63,40 @@
 (defun listening-fd (socket)
   (sb-bsd-sockets:socket-file-descriptor (usocket:socket socket)))
 
+(defun silent-client-accepted-p (server)
+  "Connect to SERVER and send nothing, then serve a request on another
+connection: true when SERVER had accepted the silent one by then."
+  (let ((silent (connect server)))
+    (unwind-protect
+         (progn
+           (is (eql 200 (http-get server "/test/yo")))
+           ;; The kernel queues connections in order: the silent one, if it
+           ;; is to be handed over at once, was handed over before drakma's.
+           (is (wait-until (lambda () (<= 1 (stats server :requests-served)))))
+           (let ((accepted-p (= 2 (stats server :connections-accepted))))
+             (send-text silent (crlf-lines "GET /test/yo HTTP/1.1" "Host: x" "Connection: close" ""))
+             (is (eql 200 (read-response silent)) "the silent client is served once it speaks")
+             (is (= 2 (stats server :connections-accepted)))
+             accepted-p))
+      (usocket:socket-close silent))))
+
+(test listening.accepting-waits-for-the-first-bytes
+  (with-server (server (make-server 'parallel-easy-acceptor :header-timeout 7))
+    (let ((fd (listening-fd (hunchentoot-recycling-taskmaster::acceptor-listen-socket server))))
+      (is (<= 7 (hunchentoot-recycling-taskmaster::socket-option
+                 fd hunchentoot-recycling-taskmaster::+tcp-defer-accept+
+                 hunchentoot-recycling-taskmaster::+ipproto-tcp+))
+          "TCP_DEFER_ACCEPT covers the header timeout")
+      (is-false (silent-client-accepted-p server) "a client that has sent nothing is not accepted"))))
+
+(test listening.accepting-at-once-without-defer-accept
+  (with-server (server (make-server 'parallel-easy-acceptor :defer-accept nil))
+    (is (zerop (hunchentoot-recycling-taskmaster::socket-option
+                (listening-fd (hunchentoot-recycling-taskmaster::acceptor-listen-socket server))
+                hunchentoot-recycling-taskmaster::+tcp-defer-accept+
+                hunchentoot-recycling-taskmaster::+ipproto-tcp+)))
+    (is-true (silent-client-accepted-p server) "a client that has sent nothing is accepted")))
+
 (test listening.inherited-descriptor-is-served-and-left-listening
   (let* ((socket (usocket:socket-listen "127.0.0.1" 0 :reuse-address t :backlog 128
                                                       :element-type '(unsigned-byte 8)))

@@ -163,10 +163,11 @@ them to wait for and sees them go, without waiting out its deadline."
 
 (test stop.soft-stop-refuses-new-connections-and-serves-accepted-ones
   ;; While a soft STOP waits for a request in flight and a connection that
-  ;; has not sent its request yet, a client connecting once the socket has
-  ;; stopped listening is refused at once (ECONNREFUSED, which a balancer
-  ;; retries elsewhere), never reset; the connection accepted before is
-  ;; still served.
+  ;; has sent only the start of its request, a client connecting once the
+  ;; socket has stopped listening is refused at once (ECONNREFUSED, which a
+  ;; balancer retries elsewhere), never reset; the connection accepted
+  ;; before is still served.  (A client that has sent nothing at all is not
+  ;; accepted yet: see :DEFER-ACCEPT.)
   (with-thread-leak-check ()
     (let* ((server (make-server 'parallel-easy-acceptor
                                 :taskmaster (make-instance 'recycling-taskmaster
@@ -178,6 +179,7 @@ them to wait for and sees them go, without waiting out its deadline."
             (waiting (connect server)))
         (unwind-protect
              (progn
+               (send-text waiting "GET /test/yo HTTP/1.1")
                (is (wait-until (lambda () (= 1 (stats server :in-request-threads)))))
                (is (wait-until (lambda () (= 2 (stats server :open-connections)))))
                (let ((stop (in-thread (lambda () (ht:stop server :soft t)))))
@@ -186,7 +188,7 @@ them to wait for and sees them go, without waiting out its deadline."
                  ;; accept and the shutdown is reset by the kernel (README).
                  (is (wait-until (lambda () (eq :refused (one-request-on-a-new-connection port)))))
                  (setf outcomes (loop repeat 20 collect (one-request-on-a-new-connection port)))
-                 (send-text waiting (get-request "/test/yo"))
+                 (send-text waiting (subseq (get-request "/test/yo") (length "GET /test/yo HTTP/1.1")))
                  (is (eql 200 (read-response waiting)) "the connection accepted before the STOP is served")
                  (setf *held-requests-released-p* t)
                  (is (eql 200 (first (funcall held))) "the request in flight is answered")
@@ -196,5 +198,64 @@ them to wait for and sees them go, without waiting out its deadline."
                (is (port-free-p port)))
           (setf *held-requests-released-p* t)
           (usocket:socket-close waiting)
+          (when (ht:started-p server)
+            (abandon-acceptor server)))))))
+
+(test stop.abandon-during-a-soft-stop-ends-both
+  ;; ABANDON-ACCEPTOR is for when STOP cannot finish: called from another
+  ;; thread while a soft STOP waits for a half-sent request, it ends the run,
+  ;; and the STOP returns without an error.
+  (with-thread-leak-check ()
+    (let* ((server (make-server 'parallel-easy-acceptor
+                                :taskmaster (make-instance 'recycling-taskmaster
+                                                           :standby-thread-count 2 :stop-timeout 10)))
+           (port (progn (ht:start server) (ht:acceptor-port server)))
+           (half-sent (connect server)))
+      (unwind-protect
+           (progn
+             (send-text half-sent "GET /test/yo HTTP/1.1")
+             (is (wait-until (lambda () (= 1 (stats server :open-connections)))))
+             (let ((stop (in-thread (lambda ()
+                                      (handler-case (progn (ht:stop server :soft t) :returned)
+                                        (error (condition) condition))))))
+               (is (wait-until (lambda () (eq :refused (one-request-on-a-new-connection port))))
+                   "the soft STOP has begun")
+               (abandon-acceptor server)
+               (is (eq :returned (first (funcall stop))))
+               (is-false (ht:started-p server))
+               (is (port-free-p port))))
+        (usocket:socket-close half-sent)
+        (when (ht:started-p server)
+          (abandon-acceptor server))))))
+
+(test stop.soft-stop-resets-a-client-that-has-sent-nothing
+  ;; With :DEFER-ACCEPT (the default) a connection whose client has sent
+  ;; nothing is still the kernel's: a soft STOP does not wait for it, and
+  ;; the client's request, sent after the socket stopped listening, is
+  ;; reset, as for a connection the kernel had not handed over.
+  (with-thread-leak-check ()
+    (let* ((server (make-server 'parallel-easy-acceptor
+                                :taskmaster (make-instance 'recycling-taskmaster
+                                                           :standby-thread-count 2 :stop-timeout 10)))
+           (port (progn (ht:start server) (ht:acceptor-port server))))
+      (setf *held-requests-released-p* nil)
+      (let ((held (in-thread (lambda () (http-get server "/test/held"))))
+            (silent (connect server)))
+        (unwind-protect
+             (progn
+               (is (wait-until (lambda () (= 1 (stats server :in-request-threads)))))
+               (let ((stop (in-thread (lambda () (ht:stop server :soft t)))))
+                 (is (wait-until (lambda () (eq :refused (one-request-on-a-new-connection port)))))
+                 (is (member (handler-case (progn (send-text silent (get-request "/test/yo"))
+                                                  (read-response silent :timeout 5))
+                               (error () :reset))
+                             '(nil :reset))
+                     "the silent client's late request is not answered")
+                 (setf *held-requests-released-p* t)
+                 (is (eql 200 (first (funcall held))) "the request in flight is answered")
+                 (funcall stop))
+               (is (port-free-p port)))
+          (setf *held-requests-released-p* t)
+          (usocket:socket-close silent)
           (when (ht:started-p server)
             (abandon-acceptor server)))))))

@@ -15,7 +15,8 @@
 
 (defun stalled-handshakes (server count)
   "COUNT connections to SERVER that send nothing, and COUNT that send half a
-ClientHello."
+ClientHello.  The silent ones reach a server only with :DEFER-ACCEPT NIL;
+otherwise the kernel keeps them until the header timeout."
   (append (loop repeat count collect (connect server))
           (loop repeat count
                 collect (let ((socket (connect server)))
@@ -25,7 +26,7 @@ ClientHello."
 
 (test tls-handshake.stalled-clients-hold-no-worker
   (with-thread-leak-check ()
-    (with-server (server (tls-server :header-timeout 2
+    (with-server (server (tls-server :header-timeout 2 :defer-accept nil
                                      :taskmaster (make-instance 'recycling-taskmaster
                                                                 :standby-thread-count 1 :max-thread-count 2)))
       (let ((sockets (stalled-handshakes server 10))
@@ -103,7 +104,7 @@ it to end."
 
 (test tls-handshake.stop-closes-handshakes-under-way
   (with-thread-leak-check ()
-    (let* ((server (tls-server))
+    (let* ((server (tls-server :defer-accept nil))
            (sockets (progn (ht:start server) (stalled-handshakes server 5))))
       (unwind-protect
            (progn

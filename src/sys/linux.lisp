@@ -65,6 +65,8 @@ __EPOLL_PACKED), naturally aligned elsewhere.")
 
 (defconstant +tcp-nodelay+ 1)
 
+(defconstant +tcp-defer-accept+ 9)
+
 (defconstant +siocoutq+ #x5411)
 
 (defconstant +af-inet+ 2)

@@ -15,14 +15,15 @@
 
 ;;; Listening sockets.
 
-(defun socket-option (fd option)
-  "The integer value of the SOL_SOCKET option OPTION of FD."
+(defun socket-option (fd option &optional (level +sol-socket+))
+  "The integer value of the option OPTION at LEVEL (SOL_SOCKET unless
+given) of FD."
   (sb-alien:with-alien ((value sb-alien:int) (length sb-alien:unsigned))
     (setf length 4)
     (unless (zerop (sb-alien:alien-funcall
                     (sb-alien:extern-alien "getsockopt" (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int
                                                                   (* sb-alien:int) (* sb-alien:unsigned)))
-                    fd +sol-socket+ option (sb-alien:addr value) (sb-alien:addr length)))
+                    fd level option (sb-alien:addr value) (sb-alien:addr length)))
       (foreign-error "getsockopt"))
     value))
 
@@ -38,6 +39,12 @@
 (defun send-small-writes-at-once (fd)
   "Set TCP_NODELAY on the connected socket FD.  True when it took."
   (set-integer-socket-option fd +ipproto-tcp+ +tcp-nodelay+ 1))
+
+(defun defer-accepting-until-data (fd seconds)
+  "Set TCP_DEFER_ACCEPT on the listening socket FD: the kernel hands over a
+connection only once its client has sent something, or, for a client that
+sends nothing, once about SECONDS have passed.  True when it took."
+  (set-integer-socket-option fd +ipproto-tcp+ +tcp-defer-accept+ seconds))
 
 (defun (setf socket-option) (value fd option)
   (unless (set-integer-socket-option fd +sol-socket+ option value)

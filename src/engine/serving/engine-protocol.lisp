@@ -62,22 +62,31 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
                (when connection
                  (serve-connection serving connection))))))
 
+;;; The set is NIL in the steps of a STOP below once ABANDON-ACCEPTOR, in
+;;; another thread, has ended the run under it: nothing is left to do.
+
 (defmethod engine-wake-workers ((engine readiness-engine))
-  (wake-all-waiters (engine-readiness-set engine)))
+  (let ((set (engine-readiness-set engine)))
+    (when set
+      (wake-all-waiters set))))
 
 (defmethod engine-drain ((engine readiness-engine) deadline)
   (let ((set (engine-readiness-set engine)))
-    (stop-accepting set)
-    ;; An inherited socket stays listening, its queue for the next process.
-    (unless (acceptor-listen-fd (engine-acceptor engine))
-      (take-queued-connections engine set deadline)
-      (refuse-connections set))
-    (loop (cond ((zerop (unfinished-connection-count set)) (return t))
-                ((>= (get-internal-real-time) deadline) (return nil))
-                (t (sleep 0.01))))))
+    (when set
+      (stop-accepting set)
+      ;; An inherited socket stays listening, its queue for the next process.
+      (unless (acceptor-listen-fd (engine-acceptor engine))
+        (take-queued-connections engine set deadline)
+        (refuse-connections set))
+      (loop (cond ((zerop (unfinished-connection-count set)) (return t))
+                  ((>= (get-internal-real-time) deadline) (return nil))
+                  ((null (engine-readiness-set engine)) (return nil))
+                  (t (sleep 0.01)))))))
 
 (defmethod engine-close-idle-connections ((engine readiness-engine))
-  (close-parked-connections (engine-readiness-set engine)))
+  (let ((set (engine-readiness-set engine)))
+    (when set
+      (close-parked-connections set))))
 
 (defmethod engine-cut-connection ((engine readiness-engine) worker)
   (call-with-held-connection worker (lambda (connection) (shut-down-fd (connection-fd connection)))))
@@ -108,8 +117,9 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
 
 (defmethod engine-finish ((engine readiness-engine))
   (let ((set (shiftf (engine-readiness-set engine) nil)))
-    (close-parked-connections set)
-    (destroy-readiness-set set))
+    (when set
+      (close-parked-connections set)
+      (destroy-readiness-set set)))
   (free-engine-tls-context engine))
 
 (defmethod engine-abandon ((engine readiness-engine))
