@@ -63,6 +63,14 @@
 (defun listening-fd (socket)
   (sb-bsd-sockets:socket-file-descriptor (usocket:socket socket)))
 
+(defun accepting-deferred-seconds (server)
+  "SERVER's listening socket's TCP_DEFER_ACCEPT, as the kernel keeps it: 0
+when accepting is not deferred."
+  (hunchentoot-recycling-taskmaster::socket-option
+   (listening-fd (hunchentoot-recycling-taskmaster::acceptor-listen-socket server))
+   hunchentoot-recycling-taskmaster::+tcp-defer-accept+
+   hunchentoot-recycling-taskmaster::+ipproto-tcp+))
+
 (defun silent-client-accepted-p (server)
   "Connect to SERVER and send nothing, then serve a request on another
 connection: true when SERVER had accepted the silent one by then."
@@ -82,19 +90,12 @@ connection: true when SERVER had accepted the silent one by then."
 
 (test listening.accepting-waits-for-the-first-bytes
   (with-server (server (make-server 'parallel-easy-acceptor :header-timeout 7))
-    (let ((fd (listening-fd (hunchentoot-recycling-taskmaster::acceptor-listen-socket server))))
-      (is (<= 7 (hunchentoot-recycling-taskmaster::socket-option
-                 fd hunchentoot-recycling-taskmaster::+tcp-defer-accept+
-                 hunchentoot-recycling-taskmaster::+ipproto-tcp+))
-          "TCP_DEFER_ACCEPT covers the header timeout")
-      (is-false (silent-client-accepted-p server) "a client that has sent nothing is not accepted"))))
+    (is (<= 7 (accepting-deferred-seconds server)) "TCP_DEFER_ACCEPT covers the header timeout")
+    (is-false (silent-client-accepted-p server) "a client that has sent nothing is not accepted")))
 
 (test listening.accepting-at-once-without-defer-accept
   (with-server (server (make-server 'parallel-easy-acceptor :defer-accept nil))
-    (is (zerop (hunchentoot-recycling-taskmaster::socket-option
-                (listening-fd (hunchentoot-recycling-taskmaster::acceptor-listen-socket server))
-                hunchentoot-recycling-taskmaster::+tcp-defer-accept+
-                hunchentoot-recycling-taskmaster::+ipproto-tcp+)))
+    (is (zerop (accepting-deferred-seconds server)))
     (is-true (silent-client-accepted-p server) "a client that has sent nothing is accepted")))
 
 (test listening.inherited-descriptor-is-served-and-left-listening
