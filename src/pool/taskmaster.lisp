@@ -135,8 +135,8 @@ more kept-alive requests to 1 ms handlers and a tenth more with one request
 per connection; but a worker woken for the listening socket waits its turn
 too, so that when a thousand clients connect while the processors are busy,
 accepting lags behind them: p99 rose from 52 ms to 405 ms, and with a
-connection per request the kernel's backlog overflowed and 164 of them
-timed out.  Hence not the default: :BATCH suits a pool whose connections
+connection per request the kernel's backlog (511 then) overflowed and 164
+of them timed out.  Hence not the default: :BATCH suits a pool whose connections
 are few and long-lived, as behind a proxy that keeps its upstream
 connections alive.  Threads a handler starts inherit its worker's policy.")
    (engine
