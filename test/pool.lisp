@@ -149,13 +149,20 @@ number of another."
 
 (define-pool-test pool.worker-back-from-a-new-connection-waits-while-one-fewer-wait (standby)
   ;; Three may wait; the worker that took the new connection comes back to
-  ;; find two waiting, and rests.
+  ;; find two waiting, and rests.  On a loaded machine a request can take a
+  ;; millisecond, and its worker then rightly joins the waiting whatever
+  ;; their count: a few requests in a row, one of them quick, show the rule.
   (when (>= standby 3)
     (with-server (server (pooled-server :standby-thread-count standby :max-waiting-thread-count 3))
       (is (wait-until (lambda () (= (- standby 3) (stats server :resting-threads)))))
-      (is (eql 200 (http-get server "/test/yo" :close t)))
-      (is (wait-until (lambda () (= (- standby 2) (stats server :resting-threads))))
-          "~D of ~D idle workers rest, not ~D" (- standby 2) standby (stats server :resting-threads))
+      (flet ((one-more-rests-p ()
+               (wait-until (lambda () (= (- standby 2) (stats server :resting-threads))) :timeout 2)))
+        (let ((statuses '()))
+          (is (loop repeat 5
+                    do (push (http-get server "/test/yo" :close t) statuses)
+                    thereis (one-more-rests-p))
+              "~D of ~D idle workers rest, not ~D" (stats server :resting-threads) standby (- standby 2))
+          (is (every (lambda (status) (eql 200 status)) statuses) "statuses ~S" statuses)))
       (is (eql 200 (http-get server "/test/yo"))))))
 
 (define-pool-test pool.growth-wakes-resting-workers-first (standby)
