@@ -259,3 +259,27 @@ them to wait for and sees them go, without waiting out its deadline."
           (usocket:socket-close silent)
           (when (ht:started-p server)
             (abandon-acceptor server)))))))
+
+(test stop.soft-stop-waits-for-a-connection-being-accepted
+  ;; A worker woken for the listening socket just before a soft STOP stops
+  ;; accepting takes its connection after STOP has looked at what it must
+  ;; answer.  ENGINE-DRAIN waits for it; a thread that comes to the socket
+  ;; after accepting stopped leaves it alone.
+  (with-thread-leak-check ()
+    (with-server (server (make-server 'parallel-easy-acceptor))
+      (let* ((engine (hrt::taskmaster-engine (ht::acceptor-taskmaster server)))
+             (set (hrt::engine-readiness-set engine))
+             (inside (list nil))
+             (release (list nil))
+             (accepting (in-thread (lambda ()
+                                     (hrt::when-accepting (set)
+                                       (setf (car inside) t)
+                                       (wait-until (lambda () (car release)) :timeout 30)
+                                       :taken)))))
+        (is (wait-until (lambda () (car inside))))
+        (is (not (hrt::engine-drain engine (hrt::deadline-in 1/5)))
+            "the drain ended while a thread was still taking a connection")
+        (setf (car release) t)
+        (is (equal '(:taken) (funcall accepting)) "a thread that began accepting finishes")
+        (is (hrt::engine-drain engine (hrt::deadline-in 5)) "the drain ends once the thread has")
+        (is (null (hrt::when-accepting (set) (error "accepted after accepting stopped"))))))))

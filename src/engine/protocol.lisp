@@ -40,7 +40,8 @@ marked the pool stopping."))
 (defgeneric engine-drain (engine deadline)
   (:documentation "Stop taking new connections, and wait until DEADLINE
 (internal real time) for those already taken that have not been answered
-once -- accepted, their request not complete yet -- to be answered, while
+once -- accepted, or being accepted as it stopped, their request not
+complete yet -- to be answered, while
 the workers go on serving.  True when none is left.  Called by a soft
 HUNCHENTOOT:STOP before it marks the pool stopping, so that a connection
 the acceptor took is not closed before its first request: what waits in

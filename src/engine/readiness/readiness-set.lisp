@@ -27,6 +27,9 @@
   ;; True once accepting has stopped for good, for a soft STOP: the
   ;; listening socket is never armed again.
   (accepting-stopped-p nil)
+  ;; Threads inside WHEN-ACCEPTING: from the listening socket's report to
+  ;; the connection they took entered in the table.
+  (accepting-thread-count 0 :type word)
   ;; A descriptor held in reserve, so that a message can still be logged when
   ;; the process has no other free (Hunchentoot opens the log file for every
   ;; message); NIL when none could be kept.
@@ -134,11 +137,33 @@ again after arming, since STOP-ACCEPTING may have disarmed it meanwhile."
     (when (readiness-set-accepting-stopped-p set)
       (epoll-disarm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+))))
 
+(defmacro when-accepting ((set) &body body)
+  "Run BODY, which takes connections from SET's listening socket, unless
+accepting has stopped; its value, or NIL.  A thread woken for the socket
+just before STOP-ACCEPTING would otherwise accept after a soft STOP has
+looked at what it must answer (ACCEPTING-ENDED-P); on an inherited socket
+what it leaves in the queue is the next acceptor's."
+  (let ((counted-set (gensym "SET")))
+    `(let ((,counted-set ,set))
+       ;; The increment, a locked instruction, is ordered before the read of
+       ;; the flag, as STOP-ACCEPTING's write of the flag before its barrier.
+       (atomic-increment (readiness-set-accepting-thread-count ,counted-set))
+       (unwind-protect
+            (unless (readiness-set-accepting-stopped-p ,counted-set)
+              ,@body)
+         (atomic-decrement (readiness-set-accepting-thread-count ,counted-set))))))
+
 (defun stop-accepting (set)
   "Take no connection from the listening socket any more."
   (setf (readiness-set-accepting-stopped-p set) t)
   (memory-barrier)
   (epoll-disarm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+))
+
+(defun accepting-ended-p (set)
+  "True once STOP-ACCEPTING has been called on SET and no thread is still
+taking a connection: every connection taken is in the table by now."
+  (and (readiness-set-accepting-stopped-p set)
+       (zerop (readiness-set-accepting-thread-count set))))
 
 (defun refuse-connections (set)
   "Make SET's listening socket, whose accepting has stopped, stop listening:

@@ -100,7 +100,7 @@ handshake, which a worker does, so it waits in the accept queue."
   (if (hunchentoot:acceptor-ssl-p (engine-acceptor engine))
       (rearm-listen-socket set)
       (loop repeat +accepts-per-sweep-event+
-            for connection = (accept-new-connection engine set)
+            for connection = (when-accepting (set) (accept-new-connection engine set))
             while connection
             do (if (start-connection-stream engine connection)
                    (wait-for-rest-of-head engine set connection)

@@ -56,7 +56,7 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
           while token
           do (let* ((new-p (= token +listen-token+))
                     (connection (if new-p
-                                    (accept-new-connection engine set)
+                                    (when-accepting (set) (accept-new-connection engine set))
                                     (take-ready-connection set token))))
                (note-turn-taken worker new-p)
                (when connection
@@ -78,7 +78,9 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
       (unless (acceptor-listen-fd (engine-acceptor engine))
         (take-queued-connections engine set deadline)
         (refuse-connections set))
-      (loop (cond ((zerop (unfinished-connection-count set)) (return t))
+      ;; Read in this order: a connection taken before ACCEPTING-ENDED-P is
+      ;; in the table, counted.
+      (loop (cond ((and (accepting-ended-p set) (zerop (unfinished-connection-count set))) (return t))
                   ((>= (get-internal-real-time) deadline) (return nil))
                   ((null (engine-readiness-set engine)) (return nil))
                   (t (sleep 0.01)))))))
