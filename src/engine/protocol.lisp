@@ -41,12 +41,11 @@ marked the pool stopping."))
   (:documentation "Stop taking new connections, and wait until DEADLINE
 (internal real time) for those already taken that have not been answered
 once -- accepted, or being accepted as it stopped, their request not
-complete yet -- to be answered, while
-the workers go on serving.  True when none is left.  Called by a soft
-HUNCHENTOOT:STOP before it marks the pool stopping, so that a connection
-the acceptor took is not closed before its first request: what waits in
-the kernel's accept queue stays there, for whoever listens on the socket
-next."))
+complete yet -- to be answered, while the workers go on serving.  True
+when none is left.  Called by a soft HUNCHENTOOT:STOP before it marks the
+pool stopping, so that a connection the acceptor took is not closed before
+its first request: what waits in the kernel's accept queue stays there,
+for whoever listens on the socket next."))
 
 (defgeneric engine-close-idle-connections (engine)
   (:documentation "Close every connection that no worker holds, at once and
