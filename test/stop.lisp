@@ -134,9 +134,7 @@ them to wait for and sees them go, without waiting out its deadline."
   ;; The handler's reply fails to go out; Hunchentoot logs that and the
   ;; request ends.
   (with-thread-leak-check ()
-    (let ((server (make-server 'parallel-easy-acceptor
-                               :taskmaster (make-instance 'recycling-taskmaster
-                                                          :standby-thread-count 2 :stop-timeout 5))))
+    (let ((server (pooled-server :standby-thread-count 2 :stop-timeout 5)))
       (ht:start server)
       (let ((socket (connect server)))
         (send-text socket (get-request "/test/sleep-then-large"))
@@ -169,9 +167,7 @@ them to wait for and sees them go, without waiting out its deadline."
   ;; before is still served.  (A client that has sent nothing at all is not
   ;; accepted yet: see :DEFER-ACCEPT.)
   (with-thread-leak-check ()
-    (let* ((server (make-server 'parallel-easy-acceptor
-                                :taskmaster (make-instance 'recycling-taskmaster
-                                                           :standby-thread-count 2 :stop-timeout 10)))
+    (let* ((server (pooled-server :standby-thread-count 2 :stop-timeout 10))
            (port (progn (ht:start server) (ht:acceptor-port server)))
            (outcomes '()))
       (setf *held-requests-released-p* nil)
@@ -206,9 +202,7 @@ them to wait for and sees them go, without waiting out its deadline."
   ;; thread while a soft STOP waits for a half-sent request, it ends the run,
   ;; and the STOP returns without an error.
   (with-thread-leak-check ()
-    (let* ((server (make-server 'parallel-easy-acceptor
-                                :taskmaster (make-instance 'recycling-taskmaster
-                                                           :standby-thread-count 2 :stop-timeout 10)))
+    (let* ((server (pooled-server :standby-thread-count 2 :stop-timeout 10))
            (port (progn (ht:start server) (ht:acceptor-port server)))
            (half-sent (connect server)))
       (unwind-protect
@@ -234,9 +228,7 @@ them to wait for and sees them go, without waiting out its deadline."
   ;; the client's request, sent after the socket stopped listening, is
   ;; reset, as for a connection the kernel had not handed over.
   (with-thread-leak-check ()
-    (let* ((server (make-server 'parallel-easy-acceptor
-                                :taskmaster (make-instance 'recycling-taskmaster
-                                                           :standby-thread-count 2 :stop-timeout 10)))
+    (let* ((server (pooled-server :standby-thread-count 2 :stop-timeout 10))
            (port (progn (ht:start server) (ht:acceptor-port server))))
       (setf *held-requests-released-p* nil)
       (let ((held (in-thread (lambda () (http-get server "/test/held"))))

@@ -136,9 +136,9 @@ per connection; but a worker woken for the listening socket waits its turn
 too, so that when a thousand clients connect while the processors are busy,
 accepting lags behind them: p99 rose from 52 ms to 405 ms, and with a
 connection per request the kernel's backlog (511 then) overflowed and 164
-of them timed out.  Hence not the default: :BATCH suits a pool whose connections
-are few and long-lived, as behind a proxy that keeps its upstream
-connections alive.  Threads a handler starts inherit its worker's policy.")
+of them timed out.  Hence not the default: :BATCH suits a pool whose
+connections are few and long-lived, as behind a proxy that keeps its
+upstream connections alive.  Threads a handler starts inherit its worker's policy.")
    (engine
     :initform nil :accessor taskmaster-engine
     :documentation "The CONNECTION-ENGINE the workers serve, made by the first
