@@ -115,7 +115,11 @@ they do not within 30 s."
       (and recovered (mapcar (lambda (client) (car (first client))) clients)))))
 
 (defun check-outage-replies (replies-of-clients timeout)
-  "Check the replies OUTAGE-UNDER-LOAD gathered."
+  "Check the replies OUTAGE-UNDER-LOAD gathered, from a server whose
+session store timeout is TIMEOUT.  A request using its session calls the
+store twice, its lookup and its write, each bounded by TIMEOUT: a lookup
+answered just before its deadline (the database back) and a write cut at
+its own is refused after twice TIMEOUT (CI saw 2.01 s at 1 s)."
   (is (not (null replies-of-clients)) "sessions did not work again within 30 s")
   (loop for replies in replies-of-clients
         for plain-p in '(nil nil t t)
@@ -126,9 +130,9 @@ they do not within 30 s."
                    (is (subsetp statuses '(200 503)) "a request using its session got ~S" statuses)
                    (is (member 503 statuses) "no request was refused while the database was away")
                    (is (counts-explained-p replies) "a session's counter went back, repeated, or skipped without a 503")
-                   (is (every (lambda (reply) (or (eql (first reply) 200) (<= (second reply) (+ timeout 1))))
+                   (is (every (lambda (reply) (or (eql (first reply) 200) (<= (second reply) (+ (* 2 timeout) 1))))
                               replies)
-                       "a 503 took more than the timeout: ~,2F s"
+                       "a 503 took more than the lookup's and the write's timeouts: ~,2F s"
                        (reduce #'max (mapcar #'second replies) :initial-value 0)))))))
 
 (test postgresql-sessions.database-stopped-for-10-s-under-load
