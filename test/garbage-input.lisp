@@ -182,3 +182,23 @@ between them."
         (is (<= message-log-octets (* 2 1000 1000)) "the message log grew by ~:D octets" message-log-octets)
         (is (zerop message-log-octets) "nothing in the message log: ~:D octets" message-log-octets)
         (is (= 10101 access-lines) "one access-log line a request: ~D" access-lines)))))
+
+(test garbage.credentials-that-are-not-base64-still-answered
+  ;; Hunchentoot's access log entry decodes the Authorization header's Basic
+  ;; credentials, which signals on these; the request went unanswered and its
+  ;; kept-alive connection waited for the keep-alive timeout.
+  (uiop:with-temporary-file (:pathname access-log)
+    (uiop:with-temporary-file (:pathname message-log)
+      (with-server (server (make-server 'parallel-easy-acceptor :access-log-destination access-log
+                                                                :message-log-destination message-log))
+        (with-connection (socket server)
+          (dotimes (i 2)
+            (send-text socket (crlf-lines "GET /test/yo HTTP/1.1" "Host: localhost"
+                                          "Authorization: Basic !!!!" ""))
+            (multiple-value-bind (status body) (read-response socket :timeout 5)
+              (is (eql 200 status) "request ~D on the connection: ~S" (1+ i) status)
+              (is (equal "Hey!" body)))))
+        (is (eql 200 (http-get server "/test/yo"))))
+      (is (eql 2 (log-lines-matching message-log "No access log entry for the 200 reply to 127.0.0.1"))
+          "one message-log line for each entry not written")
+      (is (eql 1 (log-lines-matching access-log "GET /test/yo")) "the request that could be logged was"))))

@@ -31,6 +31,20 @@ optional argument: hence the reader."
           (setf (cdr entry) (serving-keep-alive-header-value *serving*)))))
     headers))
 
+(defmethod hunchentoot:acceptor-log-access :around ((acceptor parallel-acceptor) &key return-code)
+  "The access log entry, written as the methods below write it, just before
+the reply; one that fails costs its entry and a line in the message log,
+never the reply.  Hunchentoot's own fails on a client's Authorization
+header whose Basic credentials are not base64 (HUNCHENTOOT:AUTHORIZATION
+signals), and on its own acceptor that request then goes unanswered."
+  (handler-case (call-next-method)
+    (error (condition)
+      (log-safely acceptor :warning "No access log entry for the ~D reply to ~A: ~A"
+                  return-code
+                  (and (boundp 'hunchentoot:*request*) hunchentoot:*request*
+                       (hunchentoot:remote-addr hunchentoot:*request*))
+                  condition))))
+
 (defun connection-option-p (value option)
   "True when OPTION is one of the comma-separated options of the Connection
 header VALUE, compared without case, as Hunchentoot's KEEP-ALIVE-P reads
