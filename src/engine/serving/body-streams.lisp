@@ -1,22 +1,28 @@
-;;;; The streams a request body is read through -- the body octets that came
-;;;; with the head first, then the connection -- and, after the request,
-;;;; the octets of the next one moved to the start of the worker's buffer.
+;;;; The streams a request body that came with its head is read through,
+;;;; and, after the request, the octets of the next one moved to the start
+;;;; of the worker's buffer.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
 (defun content-stream-for (headers stream buffer body-start end)
-  "The stream a request body is read from: the body octets already in BUFFER
-from BODY-START below END, then STREAM; decoded from chunked if the client
-says so.  Second value: the in-memory stream of the buffered octets, or NIL.
+  "The stream a request body that has all arrived in BUFFER is read from.
+A chunked one is decoded from the octets in BUFFER from BODY-START below
+END, then STREAM (its decoder stops at the last chunk).  A Content-Length
+one is its octets from BODY-START and nothing after them: a reader looking
+for an end the body lacks -- a multipart body without its closing boundary
+-- meets the end of the body, not the next request's octets or the socket.
+Second value: the in-memory stream of the chunked octets in BUFFER, or NIL.
 Third value: true when the content stream is chunked."
-  (let* ((buffered (and (< body-start end)
-                        (flex:make-in-memory-input-stream buffer :start body-start :end end)))
-         (content (if buffered (make-concatenated-stream buffered stream) stream)))
-    (if (assoc :transfer-encoding headers)
-        (values (make-chunked-body-stream (if buffered (make-two-way-stream content stream) stream)
+  (if (assoc :transfer-encoding headers)
+      (let* ((buffered (and (< body-start end)
+                            (flex:make-in-memory-input-stream buffer :start body-start :end end)))
+             (input (if buffered (make-concatenated-stream buffered stream) stream)))
+        (values (make-chunked-body-stream (if buffered (make-two-way-stream input stream) stream)
                                           (acceptor-max-body-bytes hunchentoot:*acceptor*))
-                buffered t)
-        (values content buffered nil))))
+                buffered t))
+      (let ((length (parse-integer (cdr (assoc :content-length headers)))))
+        (values (flex:make-in-memory-input-stream buffer :start body-start :end (+ body-start length))
+                nil nil))))
 
 (defun unread-octets (in-memory-stream)
   (let ((octets (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
@@ -32,17 +38,21 @@ START: they begin the next request.  The new end, or NIL when they do not fit."
     (unless (and (= position (length buffer)) (listen stream))
       position)))
 
-(defun next-request-octets (connection buffer body-p buffered head-end end)
-  "After a request, move what is left of the client's input to the start of
-BUFFER: the end of the octets that begin the next request, or NIL when they
-do not fit (the connection is then closed)."
-  (cond ((not body-p)
-         (replace buffer buffer :start2 head-end :end2 end)
-         (- end head-end))
-        (t
-         (let* ((unread (if buffered (unread-octets buffered) #()))
-                (stream (connection-stream connection)))
-           (replace buffer unread)
-           (if (plain-connection-p connection)
-               (drain-stream-buffer stream buffer (length unread))
-               (length unread))))))
+(defun next-request-octets (connection buffer headers buffered body-start end)
+  "After a request whose body (if any, as HEADERS declare it) began at
+BODY-START, move what is left of the client's input to the start of
+BUFFER: the end of the octets that begin the next request, or NIL when
+they do not fit (the connection is then closed).  A chunked body was read
+through the in-memory stream BUFFERED and the connection's stream, which
+hold the octets past it; a Content-Length body ends where it says."
+  (if (assoc :transfer-encoding headers)
+      (let* ((unread (if buffered (unread-octets buffered) #()))
+             (stream (connection-stream connection)))
+        (replace buffer unread)
+        (if (plain-connection-p connection)
+            (drain-stream-buffer stream buffer (length unread))
+            (length unread)))
+      (let* ((content-length (cdr (assoc :content-length headers)))
+             (next-start (if content-length (+ body-start (parse-integer content-length)) body-start)))
+        (replace buffer buffer :start2 next-start :end2 end)
+        (- end next-start))))

@@ -215,21 +215,21 @@ END octets having arrived in all, or begin reading its body."
            (start-reading-body serving connection head nil framing head-end end))
           (t
            (let ((body-p (request-has-body-p headers)))
-             (when body-p
-               ;; Read through the connection stream, which may leave
-               ;; octets on the socket that no new edge will report.
-               (setf (connection-unread-p connection) t))
              (multiple-value-bind (content-stream buffered chunked-p)
                  (if body-p
                      (content-stream-for headers (connection-stream connection) buffer head-end end)
                      (connection-stream connection))
+               (when chunked-p
+                 ;; Read through the connection stream, which may leave
+                 ;; octets on the socket that no new edge will report.
+                 (setf (connection-unread-p connection) t))
                (multiple-value-bind (outcome status)
                    (answer-request serving connection head content-stream chunked-p (expects-continue-p head))
                  (if (member outcome '(:next :upgrade))
                      ;; A chunked body read only in part leaves no way to
                      ;; find where the next request starts.
                      (let ((next-end (and (or (not chunked-p) (body-finished-p content-stream))
-                                          (next-request-octets connection buffer body-p buffered head-end end))))
+                                          (next-request-octets connection buffer headers buffered head-end end))))
                        (if next-end (values outcome next-end) :close))
                      (values outcome status)))))))))
 
