@@ -4,25 +4,22 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defun content-stream-for (headers stream buffer body-start end)
+(defun content-stream-for (chunked-p stream buffer start end)
   "The stream a request body that has all arrived in BUFFER is read from.
-A chunked one is decoded from the octets in BUFFER from BODY-START below
-END, then STREAM (its decoder stops at the last chunk).  A Content-Length
-one is its octets from BODY-START and nothing after them: a reader looking
-for an end the body lacks -- a multipart body without its closing boundary
--- meets the end of the body, not the next request's octets or the socket.
-Second value: the in-memory stream of the chunked octets in BUFFER, or NIL.
-Third value: true when the content stream is chunked."
-  (if (assoc :transfer-encoding headers)
-      (let* ((buffered (and (< body-start end)
-                            (flex:make-in-memory-input-stream buffer :start body-start :end end)))
+A chunked one (CHUNKED-P) is decoded from the octets in BUFFER from START
+below END, then STREAM: its decoder stops at the last chunk.  Any other is
+its Content-Length octets from START below END and nothing after them: a
+reader looking for an end the body lacks -- a multipart body without its
+closing boundary -- meets the end of the body, not the next request's
+octets or the socket.  Second value: the in-memory stream of a chunked
+body's octets in BUFFER, or NIL."
+  (if chunked-p
+      (let* ((buffered (and (< start end) (flex:make-in-memory-input-stream buffer :start start :end end)))
              (input (if buffered (make-concatenated-stream buffered stream) stream)))
         (values (make-chunked-body-stream (if buffered (make-two-way-stream input stream) stream)
                                           (acceptor-max-body-bytes hunchentoot:*acceptor*))
-                buffered t))
-      (let ((length (parse-integer (cdr (assoc :content-length headers)))))
-        (values (flex:make-in-memory-input-stream buffer :start body-start :end (+ body-start length))
-                nil nil))))
+                buffered))
+      (values (flex:make-in-memory-input-stream buffer :start start :end end) nil)))
 
 (defun unread-octets (in-memory-stream)
   (let ((octets (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
@@ -38,21 +35,19 @@ START: they begin the next request.  The new end, or NIL when they do not fit."
     (unless (and (= position (length buffer)) (listen stream))
       position)))
 
-(defun next-request-octets (connection buffer headers buffered body-start end)
-  "After a request whose body (if any, as HEADERS declare it) began at
-BODY-START, move what is left of the client's input to the start of
-BUFFER: the end of the octets that begin the next request, or NIL when
-they do not fit (the connection is then closed).  A chunked body was read
-through the in-memory stream BUFFERED and the connection's stream, which
-hold the octets past it; a Content-Length body ends where it says."
-  (if (assoc :transfer-encoding headers)
-      (let* ((unread (if buffered (unread-octets buffered) #()))
-             (stream (connection-stream connection)))
-        (replace buffer unread)
-        (if (plain-connection-p connection)
-            (drain-stream-buffer stream buffer (length unread))
-            (length unread)))
-      (let* ((content-length (cdr (assoc :content-length headers)))
-             (next-start (if content-length (+ body-start (parse-integer content-length)) body-start)))
-        (replace buffer buffer :start2 next-start :end2 end)
-        (- end next-start))))
+(defun next-request-octets (connection buffer chunked-p buffered next-start end)
+  "After a request, move what is left of the client's input to the start of
+BUFFER: the end of the octets that begin the next request, or NIL when they
+do not fit (the connection is then closed).  A chunked body (CHUNKED-P) was
+read through the in-memory stream BUFFERED and the connection's stream,
+which hold the octets past it; otherwise the next request begins at
+NEXT-START, past the head and its Content-Length body."
+  (cond (chunked-p
+         (let ((unread (if buffered (unread-octets buffered) #())))
+           (replace buffer unread)
+           (if (plain-connection-p connection)
+               (drain-stream-buffer (connection-stream connection) buffer (length unread))
+               (length unread))))
+        (t
+         (replace buffer buffer :start2 next-start :end2 end)
+         (- end next-start))))

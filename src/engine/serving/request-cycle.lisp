@@ -214,22 +214,28 @@ END octets having arrived in all, or begin reading its body."
           (framing
            (start-reading-body serving connection head nil framing head-end end))
           (t
-           (let ((body-p (request-has-body-p headers)))
-             (multiple-value-bind (content-stream buffered chunked-p)
+           (let* ((body-p (request-has-body-p headers))
+                  (chunked-p (and body-p (assoc :transfer-encoding headers) t))
+                  ;; Where a Content-Length body ends, all of it in the buffer.
+                  (body-end (if (and body-p (not chunked-p))
+                                (+ head-end (parse-integer (cdr (assoc :content-length headers))))
+                                head-end)))
+             (when chunked-p
+               ;; Read through the connection stream, which may leave
+               ;; octets on the socket that no new edge will report.
+               (setf (connection-unread-p connection) t))
+             (multiple-value-bind (content-stream buffered)
                  (if body-p
-                     (content-stream-for headers (connection-stream connection) buffer head-end end)
+                     (content-stream-for chunked-p (connection-stream connection) buffer head-end
+                                         (if chunked-p end body-end))
                      (connection-stream connection))
-               (when chunked-p
-                 ;; Read through the connection stream, which may leave
-                 ;; octets on the socket that no new edge will report.
-                 (setf (connection-unread-p connection) t))
                (multiple-value-bind (outcome status)
                    (answer-request serving connection head content-stream chunked-p (expects-continue-p head))
                  (if (member outcome '(:next :upgrade))
                      ;; A chunked body read only in part leaves no way to
                      ;; find where the next request starts.
                      (let ((next-end (and (or (not chunked-p) (body-finished-p content-stream))
-                                          (next-request-octets connection buffer headers buffered head-end end))))
+                                          (next-request-octets connection buffer chunked-p buffered body-end end))))
                        (if next-end (values outcome next-end) :close))
                      (values outcome status)))))))))
 
