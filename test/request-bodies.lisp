@@ -183,38 +183,6 @@ suite's output would print each."))
       (is (equal "name=é" (nth-value 1 (read-response socket)))
           "a charset Hunchentoot knows decodes the query string as before"))))
 
-;;; A multipart body read to its length.
-
-(defun unterminated-multipart-post (value-octets &key chunked-p)
-  "A multipart/form-data POST to /test/params with a Content-Length (or,
-when CHUNKED-P, chunked in one chunk): one part of VALUE-OCTETS octets, and
-no closing boundary after it."
-  (let ((body (concatenate 'string
-                           (crlf-lines "--x" "Content-Disposition: form-data; name=\"a\"" "")
-                           (make-string value-octets :initial-element #\b)))
-        (content-type "Content-Type: multipart/form-data; boundary=x"))
-    (if chunked-p
-        (chunked-post "/test/params" (crlf-lines (format nil "~X" (length body)) body "0" "") content-type)
-        (concatenate 'string (post-head "/test/params" (length body) content-type) body))))
-
-(test bodies.multipart-body-without-its-closing-boundary-ends-with-the-body
-  ;; Hunchentoot's multipart parser reads until the closing boundary, which
-  ;; this body lacks: it read on past the Content-Length, taking the next
-  ;; request's octets for the body's, then waited on the socket until the
-  ;; client closed.  A body in the head's buffer, one that arrives after it,
-  ;; and chunked ones.
-  (with-readiness-server (server)
-    (loop for (value-octets chunked-p) in '((10 nil) (200000 nil) (10 t) (200000 t))
-          do (with-connection (socket server)
-               (send-text socket (concatenate 'string (unterminated-multipart-post value-octets :chunked-p chunked-p)
-                                              (get-request "/test/yo")))
-               (is (eql 200 (read-response socket))
-                   "the POST of ~D octets~:[~; chunked~] is answered" value-octets chunked-p)
-               (multiple-value-bind (status body) (read-response socket)
-                 (is (and (eql 200 status) (equal "Hey!" body))
-                     "the GET after the POST of ~D octets~:[~; chunked~] is answered itself: ~S ~S"
-                     value-octets chunked-p status body))))))
-
 ;;; The body limit.
 
 (defun post-head (path length &rest headers)
@@ -268,6 +236,38 @@ no closing boundary after it."
         (is-true closed-p))
       (is (< (- (sb-ext:get-bytes-consed) consed-before) (* 10 1024 1024))
           "~D octets consed for one refused head" (- (sb-ext:get-bytes-consed) consed-before)))))
+;;; A multipart body read to its length.
+
+(defun unterminated-multipart-post (value-octets &key chunked-p)
+  "A multipart/form-data POST to /test/params with a Content-Length (or,
+when CHUNKED-P, chunked in one chunk): one part of VALUE-OCTETS octets, and
+no closing boundary after it."
+  (let ((body (concatenate 'string
+                           (crlf-lines "--x" "Content-Disposition: form-data; name=\"a\"" "")
+                           (make-string value-octets :initial-element #\b)))
+        (content-type "Content-Type: multipart/form-data; boundary=x"))
+    (if chunked-p
+        (chunked-post "/test/params" (crlf-lines (format nil "~X" (length body)) body "0" "") content-type)
+        (concatenate 'string (post-head "/test/params" (length body) content-type) body))))
+
+(test bodies.multipart-body-without-its-closing-boundary-ends-with-the-body
+  ;; Hunchentoot's multipart parser reads until the closing boundary, which
+  ;; this body lacks: it read on past the Content-Length, taking the next
+  ;; request's octets for the body's, then waited on the socket until the
+  ;; client closed.  A body in the head's buffer, one that arrives after it,
+  ;; and chunked ones.
+  (with-readiness-server (server)
+    (loop for (value-octets chunked-p) in '((10 nil) (200000 nil) (10 t) (200000 t))
+          do (with-connection (socket server)
+               (send-text socket (concatenate 'string (unterminated-multipart-post value-octets :chunked-p chunked-p)
+                                              (get-request "/test/yo")))
+               (is (eql 200 (read-response socket))
+                   "the POST of ~D octets~:[~; chunked~] is answered" value-octets chunked-p)
+               (multiple-value-bind (status body) (read-response socket)
+                 (is (and (eql 200 status) (equal "Hey!" body))
+                     "the GET after the POST of ~D octets~:[~; chunked~] is answered itself: ~S ~S"
+                     value-octets chunked-p status body))))))
+
 ;;; Bodies the engine reads before dispatch.
 
 (ht:define-easy-handler (test-body-stream :uri "/test/body-stream") ()
