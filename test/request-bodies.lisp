@@ -236,6 +236,7 @@ suite's output would print each."))
         (is-true closed-p))
       (is (< (- (sb-ext:get-bytes-consed) consed-before) (* 10 1024 1024))
           "~D octets consed for one refused head" (- (sb-ext:get-bytes-consed) consed-before)))))
+
 ;;; A multipart body read to its length.
 
 (defun unterminated-multipart-post (value-octets &key chunked-p)
