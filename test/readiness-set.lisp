@@ -184,27 +184,33 @@ then closed the connection."
 
 ;;; Parked connections.
 
+(defmacro with-kept-alive-connections ((var server count) &body body)
+  "Run BODY with VAR bound to COUNT connections to SERVER, each of which has
+been answered one request and is kept alive; closed afterwards."
+  `(let ((,var (loop repeat ,count collect (connect ,server))))
+     (unwind-protect
+          (progn
+            (dolist (socket ,var)
+              (send-text socket (get-request "/test/yo"))
+              (is (eql 200 (read-response socket))))
+            ,@body)
+       (mapc #'usocket:socket-close ,var))))
+
 (test parking.idle-connections-hold-no-thread
   (with-readiness-server (server :taskmaster (make-instance 'recycling-taskmaster
                                                             :standby-thread-count 1
                                                             :max-thread-count 2
                                                             :max-accept-count 3))
-    (let ((sockets (loop repeat 50 collect (connect server))))
-      (unwind-protect
-           (progn
-             (dolist (socket sockets)
-               (send-text socket (get-request "/test/yo"))
-               (is (eql 200 (read-response socket))))
-             (is-true (connections-parked-p server 50))
-             (is (<= (stats server :threads) 2))
-             (with-connection (newcomer server)
-               (send-text newcomer (get-request "/test/yo"))
-               (is (eql 200 (read-response newcomer)) "a new client is served past 50 idle ones"))
-             (dolist (socket sockets)
-               (send-text socket (get-request "/test/yo")))
-             (is (every (lambda (socket) (eql 200 (read-response socket))) sockets)
-                 "every idle connection is served again"))
-        (mapc #'usocket:socket-close sockets)))))
+    (with-kept-alive-connections (sockets server 50)
+      (is-true (connections-parked-p server 50))
+      (is (<= (stats server :threads) 2))
+      (with-connection (newcomer server)
+        (send-text newcomer (get-request "/test/yo"))
+        (is (eql 200 (read-response newcomer)) "a new client is served past 50 idle ones"))
+      (dolist (socket sockets)
+        (send-text socket (get-request "/test/yo")))
+      (is (every (lambda (socket) (eql 200 (read-response socket))) sockets)
+          "every idle connection is served again"))))
 
 (defvar *blocking-handler-released* nil
   "Set to let every request to /test/block answer.")
@@ -221,25 +227,20 @@ then closed the connection."
                                                             :standby-thread-count 1
                                                             :max-thread-count 4
                                                             :max-accept-count 5))
-    (let ((sockets (loop repeat 12 collect (connect server))))
-      (unwind-protect
-           (progn
-             (dolist (socket sockets)
-               (send-text socket (get-request "/test/yo"))
-               (read-response socket))
-             (is-true (connections-parked-p server 12))
-             (loop for socket in sockets
-                   for index from 0
-                   do (send-text socket (get-request (if (= index 3) "/test/block" "/test/yo"))))
-             (is (every (lambda (socket) (eql 200 (read-response socket :timeout 10)))
-                        (remove (fourth sockets) sockets))
-                 "every other request is answered while one handler blocks")
-             (setf *blocking-handler-released* t)
-             (multiple-value-bind (status body) (read-response (fourth sockets) :timeout 10)
-               (is (eql 200 status))
-               (is (equal "released" body))))
-        (setf *blocking-handler-released* t)
-        (mapc #'usocket:socket-close sockets)))))
+    (unwind-protect
+         (with-kept-alive-connections (sockets server 12)
+           (is-true (connections-parked-p server 12))
+           (loop for socket in sockets
+                 for index from 0
+                 do (send-text socket (get-request (if (= index 3) "/test/block" "/test/yo"))))
+           (is (every (lambda (socket) (eql 200 (read-response socket :timeout 10)))
+                      (remove (fourth sockets) sockets))
+               "every other request is answered while one handler blocks")
+           (setf *blocking-handler-released* t)
+           (multiple-value-bind (status body) (read-response (fourth sockets) :timeout 10)
+             (is (eql 200 status))
+             (is (equal "released" body))))
+      (setf *blocking-handler-released* t))))
 
 (test parking.kept-alive-connection-closes-after-keep-alive-timeout
   (with-readiness-server (server :keep-alive-timeout 1)
