@@ -212,36 +212,6 @@ been answered one request and is kept alive; closed afterwards."
       (is (every (lambda (socket) (eql 200 (read-response socket))) sockets)
           "every idle connection is served again"))))
 
-(defvar *blocking-handler-released* nil
-  "Set to let every request to /test/block answer.")
-
-(ht:define-easy-handler (test-block :uri "/test/block") ()
-  (setf (ht:content-type*) "text/plain")
-  (if (wait-until (lambda () *blocking-handler-released*) :timeout 20) "released" "never released"))
-
-(test parking.requests-ready-together-are-not-held-by-a-blocking-handler
-  ;; The one worker of the pool takes a request whose handler blocks: the
-  ;; requests ready with it go to workers the pool adds meanwhile.
-  (setf *blocking-handler-released* nil)
-  (with-readiness-server (server :taskmaster (make-instance 'recycling-taskmaster
-                                                            :standby-thread-count 1
-                                                            :max-thread-count 4
-                                                            :max-accept-count 5))
-    (unwind-protect
-         (with-kept-alive-connections (sockets server 12)
-           (is-true (connections-parked-p server 12))
-           (loop for socket in sockets
-                 for index from 0
-                 do (send-text socket (get-request (if (= index 3) "/test/block" "/test/yo"))))
-           (is (every (lambda (socket) (eql 200 (read-response socket :timeout 10)))
-                      (remove (fourth sockets) sockets))
-               "every other request is answered while one handler blocks")
-           (setf *blocking-handler-released* t)
-           (multiple-value-bind (status body) (read-response (fourth sockets) :timeout 10)
-             (is (eql 200 status))
-             (is (equal "released" body))))
-      (setf *blocking-handler-released* t))))
-
 (test parking.kept-alive-connection-closes-after-keep-alive-timeout
   (with-readiness-server (server :keep-alive-timeout 1)
     (with-connection (socket server)

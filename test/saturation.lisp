@@ -76,6 +76,29 @@ threads; then let them go, and check that each client got its 200."
     (is (= 0 (stats server :queue-timeout-replies)))
     (is (= 0 (stats server :header-timeout-replies)))))
 
+(test saturation.requests-ready-beside-a-held-worker-go-to-workers-the-pool-adds
+  ;; The one worker of the pool takes a request whose handler holds it;
+  ;; the kept-alive requests ready with it go to workers added meanwhile.
+  (setf *holding-released-p* nil)
+  (with-readiness-server (server :taskmaster (make-instance 'recycling-taskmaster
+                                                            :standby-thread-count 1
+                                                            :max-thread-count 4
+                                                            :max-accept-count 5))
+    (unwind-protect
+         (with-kept-alive-connections (sockets server 12)
+           (is-true (connections-parked-p server 12))
+           (loop for socket in sockets
+                 for index from 0
+                 do (send-text socket (get-request (if (= index 3) "/test/hold" "/test/yo"))))
+           (is (every (lambda (socket) (eql 200 (read-response socket :timeout 10)))
+                      (remove (fourth sockets) sockets))
+               "every other request is answered while one handler holds its worker")
+           (setf *holding-released-p* t)
+           (multiple-value-bind (status body) (read-response (fourth sockets) :timeout 10)
+             (is (eql 200 status))
+             (is (equal "released" body))))
+      (setf *holding-released-p* t))))
+
 (test saturation.head-begun-before-saturation-is-queued-when-complete
   (with-readiness-server (server :queue-timeout 2 :header-timeout 5 :taskmaster (two-worker-pool))
     (with-connection (split server)
