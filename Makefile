@@ -28,7 +28,7 @@ LIBRARY_PACKAGES = sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-flexi-s
 TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd postgresql nginx-light \
                 cl-alexandria cl-base64 cl-md5 cl-rfc2388 cl-trivial-backtrace cl-fad \
                 cl-puri cl-iterate cl-split-sequence cl-trivial-utf-8 cl-global-vars \
-                cl-trivial-garbage cl-trivial-features chromium
+                cl-trivial-garbage cl-trivial-features cl-who chromium
 # Woo, a benchmark peer built from ../shared/vendor, needs libev4 and these.
 BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox procps curl openssl postgresql strace linux-perf \
                  libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \

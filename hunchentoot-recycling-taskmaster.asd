@@ -142,12 +142,14 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
 (defsystem "hunchentoot-recycling-taskmaster/compatibility"
   :description "The libraries users mix in -- easy-routes, Clack's Hunchentoot
 handler, hunchensocket -- listed before and after a parallel acceptor,
-against Hunchentoot's acceptor in the same place.  Needs their unchanged
-sources (test/run-compatibility.lisp finds them)."
+against Hunchentoot's acceptor in the same place; and Hunchentoot's own
+confidence test against both.  Needs their unchanged sources
+(test/run-compatibility.lisp finds them)."
   :depends-on ("hunchentoot-recycling-taskmaster/test" "easy-routes" "hunchensocket"
-               "clack-handler-hunchentoot")
+               "clack-handler-hunchentoot" "cl-who")
   :pathname "test/"
-  :components ((:file "compatibility")))
+  :components ((:file "compatibility")
+               (:file "confidence-script")))
 
 (defsystem "hunchentoot-recycling-taskmaster/bench"
   :description "Benchmark servers started in their own process by bench/run,

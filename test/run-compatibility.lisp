@@ -1,10 +1,10 @@
-;;;; The compatibility suite (test/compatibility.lisp), in a process of its
-;;;; own: it loads easy-routes, hunchensocket and Clack's Hunchentoot handler
-;;;; from VENDOR (default ../shared/vendor beside this checkout), and
-;;;; bordeaux-threads 0.9.4 with them, which Clack needs and Debian does not
-;;;; have.  Prints "compatibility: N passed, M failed" and writes "N M" to
-;;;; the file COUNTS_FILE names, when it is set; exit 0 only when none
-;;;; failed.
+;;;; The compatibility suite (test/compatibility.lisp, test/confidence-
+;;;; script.lisp), in a process of its own: it loads easy-routes,
+;;;; hunchensocket and Clack's Hunchentoot handler from VENDOR (default
+;;;; ../shared/vendor beside this checkout), and bordeaux-threads 0.9.4 with
+;;;; them, which Clack needs and Debian does not have.  Prints
+;;;; "compatibility: N passed, M failed" and writes "N M" to the file
+;;;; COUNTS_FILE names, when it is set; exit 0 only when none failed.
 
 (load (merge-pathnames "../tools/setup.lisp" *load-truename*))
 
@@ -23,6 +23,9 @@
                hunchensocket, sha1, clack and bordeaux-threads 0.9.4; set VENDOR to their folder)~%"
             *vendor* missing)
     (uiop:quit 3)))
+
+;; test/confidence-script.lisp finds Hunchentoot 1.3.1's test folder there.
+(setf (uiop:getenv "VENDOR") (namestring *vendor*))
 
 (apply #'find-systems-in (mapcar (lambda (folder) (merge-pathnames folder *vendor*)) *vendor-folders*))
 (load-systems-quietly "hunchentoot-recycling-taskmaster/compatibility")
