@@ -1,11 +1,12 @@
 ;;;; Hunchentoot's own confidence test -- the handlers and the script its
 ;;;; test/ folder ships, unchanged -- run against a parallel acceptor as
-;;;; against Hunchentoot's EASY-ACCEPTOR, and the pages of those handlers
-;;;; the script does not ask for answered byte for byte as Hunchentoot's
-;;;; acceptor answers them.  Part of the compatibility suite: the files are
-;;;; loaded when the first of these tests runs, from the test/ folder of the
-;;;; Hunchentoot under test, or from Hunchentoot 1.3.1's in VENDOR where that
-;;;; Hunchentoot ships none (Debian's package does not).
+;;;; against Hunchentoot's EASY-ACCEPTOR, over HTTP and over TLS, and the
+;;;; pages of those handlers the script does not ask for answered byte for
+;;;; byte as Hunchentoot's acceptor answers them.  Part of the compatibility
+;;;; suite: the files are loaded when the first of these tests runs, from
+;;;; the test/ folder of the Hunchentoot under test, or from Hunchentoot
+;;;; 1.3.1's in VENDOR where that Hunchentoot ships none (Debian's package
+;;;; does not).
 
 (in-package #:hunchentoot-recycling-taskmaster-test)
 
@@ -44,10 +45,6 @@ here and the global one put back, for the other tests' acceptors."
                (setf *confidence-dispatch-table* ht:*dispatch-table*))
           (setf ht:*dispatch-table* dispatch-table)))))
 
-(defun make-scratch-folder ()
-  (uiop:ensure-directory-pathname
-   (string-right-trim '(#\Newline) (uiop:run-program '("mktemp" "-d") :output :string))))
-
 (defmacro with-confidence-handlers (() &body body)
   "Run BODY with Hunchentoot's test handlers as the global dispatch table,
 the one workers read, and a scratch folder of their own for the files they
@@ -56,21 +53,21 @@ are sent."
         (upload-folder (gensym "UPLOAD-FOLDER")))
     `(let ((,dispatch-table ht:*dispatch-table*))
        (setf ht:*dispatch-table* (load-confidence-script))
-       (let ((,upload-folder (make-scratch-folder)))
+       (let ((,upload-folder (pathname (make-scratch-folder))))
          (setf (symbol-value (confidence-script-symbol "*TMP-TEST-DIRECTORY*")) ,upload-folder)
          (unwind-protect (progn ,@body)
            (uiop:delete-directory-tree ,upload-folder :validate t :if-does-not-exist :ignore)
            (setf ht:*dispatch-table* ,dispatch-table))))))
 
-(defun run-confidence-script (class)
-  "Run Hunchentoot's confidence script against an acceptor of CLASS on
-127.0.0.1: the failures it signalled, as text (an error that ended it among
-them), and what it printed."
+(defun run-confidence-script (class &rest initargs)
+  "Run Hunchentoot's confidence script against an acceptor of CLASS made of
+INITARGS on 127.0.0.1: the failures it signalled, as text (an error that
+ended it among them), and what it printed."
   (let ((failures '())
         (output (make-string-output-stream))
         (failure-type (confidence-script-symbol "TEST-FAILURE"))
         (wake-check (confidence-script-symbol "TEST-ACCEPTOR-WAKE")))
-    (with-server (server (make-server class))
+    (with-server (server (apply #'make-server class initargs))
       (let ((wildcard-wake-check (fdefinition wake-check)))
         ;; The script ends by checking that Hunchentoot's own acceptor
         ;; wakes from its accept on the wildcard address; tests here listen
@@ -84,8 +81,7 @@ them), and what it printed."
                (handler-case
                    (bt:with-timeout (120)
                      (let ((*standard-output* output))
-                       (funcall (confidence-script-symbol "TEST-HUNCHENTOOT")
-                                (format nil "http://127.0.0.1:~D" (ht:acceptor-port server)))))
+                       (funcall (confidence-script-symbol "TEST-HUNCHENTOOT") (url server ""))))
                  (serious-condition (condition)
                    (push (format nil "the script ended: ~A" condition) failures))))
           (setf (fdefinition wake-check) wildcard-wake-check))))
@@ -96,14 +92,25 @@ them), and what it printed."
       (concatenate 'string (subseq text 0 length) "...")
       text))
 
-(test compatibility.hunchentoot-confidence-script-passes-on-ours
+(defun check-confidence-script (classes &rest initargs)
+  "Run Hunchentoot's confidence script against an acceptor of each of
+CLASSES made of INITARGS; each must pass it."
   (with-confidence-handlers ()
-    (dolist (class '(parallel-easy-acceptor ht:easy-acceptor))
-      (multiple-value-bind (failures output) (with-thread-leak-check () (run-confidence-script class))
+    (dolist (class classes)
+      (multiple-value-bind (failures output)
+          (with-thread-leak-check () (apply #'run-confidence-script class initargs))
         (is (null failures) "Hunchentoot's confidence script against ~A failed ~D time~:P:~{~%  ~A~}"
             class (length failures) (mapcar #'text-head failures))
         (is (search "all tests PASSED" output) "the script against ~A did not pass; it printed:~%~A"
             class (text-head output 2000))))))
+
+(test compatibility.hunchentoot-confidence-script-passes-on-ours
+  (check-confidence-script '(parallel-easy-acceptor ht:easy-acceptor)))
+
+(test compatibility.hunchentoot-confidence-script-passes-on-ours-over-tls
+  (multiple-value-bind (certificate key) (certificate-files)
+    (check-confidence-script '(parallel-easy-ssl-acceptor ht:easy-ssl-acceptor)
+                             :ssl-certificate-file certificate :ssl-privatekey-file key)))
 
 (defun page-answer (server path &rest drakma-args)
   "What SERVER answers to PATH: status, Content-Type, Content-Length,

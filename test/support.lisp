@@ -172,12 +172,15 @@ NIL (it is ended)."
 
 (defvar *certificate-directory* nil)
 
+(defun make-scratch-folder ()
+  "A new empty folder of the system's temporary ones, as a namestring
+ending in a slash."
+  (format nil "~A/" (string-right-trim '(#\Newline) (uiop:run-program '("mktemp" "-d") :output :string))))
+
 (defun certificate-files ()
   "Certificate and key files for 127.0.0.1, made once per test run."
   (unless *certificate-directory*
-    (let ((directory (format nil "~A/" (string-right-trim
-                                        '(#\Newline)
-                                        (uiop:run-program '("mktemp" "-d") :output :string)))))
+    (let ((directory (make-scratch-folder)))
       (uiop:run-program (list "openssl" "req" "-x509" "-newkey" "rsa:2048" "-nodes"
                               "-keyout" (concatenate 'string directory "key.pem")
                               "-out" (concatenate 'string directory "cert.pem")
