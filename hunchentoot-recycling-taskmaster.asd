@@ -110,6 +110,7 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
   :components ((:file "package")
                (:file "support")
                (:file "http-behaviour")
+               (:file "random-requests")
                (:file "pool")
                (:file "overload")
                (:file "request-head")
