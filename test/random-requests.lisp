@@ -1,12 +1,12 @@
 ;;;; Random well-formed requests, each sent as it is to Hunchentoot's
-;;;; EASY-ACCEPTOR and to ours, must be answered alike: the same status,
-;;;; headers and body, and the same request as a handler sees it.  The
-;;;; requests are drawn from a fixed seed, so that a failure names a request
-;;;; that can be sent again.  They avoid what ours answers differently on
-;;;; purpose (docs/how-it-works.md): a missing or invalid Host, transfer
-;;;; codings in HTTP/1.0, Range headers, targets in absolute form,
-;;;; Expect in HTTP/1.0; and each closes its connection, since Keep-Alive's
-;;;; timeout is named differently.
+;;;; EASY-ACCEPTOR and to ours, over HTTP and over TLS, must be answered
+;;;; alike: the same status, headers and body, and the same request as a
+;;;; handler sees it.  The requests are drawn from a fixed seed, so that a
+;;;; failure names a request that can be sent again.  They avoid what ours
+;;;; answers differently on purpose (docs/how-it-works.md): a missing or
+;;;; invalid Host, transfer codings in HTTP/1.0, Range headers, targets in
+;;;; absolute form, Expect in HTTP/1.0; and each closes its connection, since
+;;;; Keep-Alive's timeout is named differently.
 
 (in-package #:hunchentoot-recycling-taskmaster-test)
 
@@ -29,7 +29,7 @@
                     (if (typep body 'sequence) (length body) body))))))
 
 (defparameter *random-request-count* 300
-  "The requests HTTP.RANDOM-REQUESTS-ANSWER-AS-ON-HUNCHENTOOTS-OWN sends each server.")
+  "The requests CHECK-RANDOM-REQUESTS sends each server.")
 
 (defun random-element (random-state &rest choices)
   (nth (random (length choices) random-state) choices))
@@ -125,19 +125,15 @@ that returns its octets, and a description of it."
                                    body)))
                 (format nil "~A ~S" line headers))))))
 
-(defun read-until-closed (socket &key (timeout 10))
-  "Every octet SOCKET receives until the server closes it, or :TIMEOUT."
-  (let ((stream (usocket:socket-stream socket))
-        (octets (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer t))
-        (deadline (+ (get-internal-real-time) (* timeout internal-time-units-per-second))))
-    (loop
-      (when (> (get-internal-real-time) deadline)
-        (return :timeout))
-      (when (usocket:wait-for-input socket :timeout 0.1 :ready-only t)
-        (let ((byte (handler-case (read-byte stream nil) (stream-error () nil))))
-          (if byte
-              (vector-push-extend byte octets)
-              (return octets)))))))
+(defun read-to-end (stream)
+  "Every octet from STREAM until the server closes the connection."
+  (let ((octets (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer t)))
+    (loop for byte = (handler-case (read-byte stream nil)
+                       ;; A reset, or TLS cut without its closing alert.
+                       (error () nil))
+          while byte
+          do (vector-push-extend byte octets))
+    octets))
 
 (defun dechunked (octets start)
   "The body framed in chunks in OCTETS from START, its chunks joined."
@@ -193,30 +189,46 @@ unchunked, as Latin-1 text, PORT in them written PORT."
     (nreverse answers)))
 
 (defun answers-to (server request head-only-p)
-  "What SERVER answers to REQUEST (a function of its port) on a connection of its own."
+  "What SERVER answers to REQUEST (a function of its port) on a connection
+of its own, over TLS when SERVER is an SSL acceptor; :TIMEOUT when it has
+not closed the connection within 10 s."
   (let* ((port (ht:acceptor-port server))
          (socket (connect-to-port port)))
     (unwind-protect
-         (let ((stream (usocket:socket-stream socket)))
-           (write-sequence (funcall request port) stream)
-           (finish-output stream)
-           (let ((octets (read-until-closed socket)))
-             (if (eq octets :timeout) :timeout (parsed-answers octets port head-only-p))))
+         (handler-case
+             (bt:with-timeout (10)
+               (let ((stream (if (ht:acceptor-ssl-p server)
+                                 (cl+ssl:make-ssl-client-stream (usocket:socket-stream socket) :verify nil)
+                                 (usocket:socket-stream socket))))
+                 (write-sequence (funcall request port) stream)
+                 (finish-output stream)
+                 (parsed-answers (read-to-end stream) port head-only-p)))
+           (bt:timeout () :timeout))
       (usocket:socket-close socket))))
 
-(test http.random-requests-answer-as-on-hunchentoots-own
+(defun check-random-requests (their-class our-class &rest initargs)
+  "Send *RANDOM-REQUEST-COUNT* random requests to an acceptor of THEIR-CLASS
+and one of OUR-CLASS, both made of INITARGS; each must be answered alike."
   (let ((random-state (sb-ext:seed-random-state 20261126)))
     (with-thread-leak-check ()
-      (with-server (theirs (make-server 'ht:easy-acceptor))
-        (with-server (ours (make-server 'parallel-easy-acceptor))
+      (with-server (theirs (apply #'make-server their-class initargs))
+        (with-server (ours (apply #'make-server our-class initargs))
           (loop repeat *random-request-count*
                 for number from 1
                 do (multiple-value-bind (request description) (random-request random-state)
                      (let* ((head-only-p (eql 0 (search "HEAD " description)))
                             (their-answers (answers-to theirs request head-only-p))
                             (our-answers (answers-to ours request head-only-p)))
-                       (is (consp their-answers) "request ~D, ~A: Hunchentoot's acceptor answered ~S"
-                           number description their-answers)
+                       (is (consp their-answers) "request ~D, ~A: ~A answered ~S"
+                           number description their-class their-answers)
                        (is (equal their-answers our-answers)
-                           "request ~D, ~A:~%ours answers    ~S~%Hunchentoot's ~S"
-                           number description our-answers their-answers)))))))))
+                           "request ~D, ~A:~%~A answers ~S~%~A answers ~S"
+                           number description our-class our-answers their-class their-answers)))))))))
+
+(test http.random-requests-answer-as-on-hunchentoots-own
+  (check-random-requests 'ht:easy-acceptor 'parallel-easy-acceptor))
+
+(test http.random-requests-answer-as-on-hunchentoots-own-over-tls
+  (multiple-value-bind (certificate key) (certificate-files)
+    (check-random-requests 'ht:easy-ssl-acceptor 'parallel-easy-ssl-acceptor
+                           :ssl-certificate-file certificate :ssl-privatekey-file key)))
