@@ -466,3 +466,24 @@ THREAD-COUNT workers."
       (is (<= (stats server :peak-threads) (+ 4 (* 2 (processors-online))))
           "peak ~D threads" (stats server :peak-threads))
       (is (plusp (stats server :growth-declined))))))
+
+(test growth.a-handler-waits-once-a-request-has-taken-a-millisecond
+  ;; Growth releases a resting worker at once only while a handler waits
+  ;; (pool/growth.lisp): a worker inside its request for 1 ms or more.
+  (let ((taskmaster (make-instance 'recycling-taskmaster))
+        (now (hunchentoot-recycling-taskmaster::monotonic-microseconds)))
+    (flet ((worker-in (state started-microseconds-ago)
+             (let ((worker (hunchentoot-recycling-taskmaster::make-worker taskmaster)))
+               (setf (hunchentoot-recycling-taskmaster::worker-state worker) state
+                     (hunchentoot-recycling-taskmaster::worker-request-started worker)
+                     (- now started-microseconds-ago))
+               worker))
+           (handler-waiting-p ()
+             (hunchentoot-recycling-taskmaster::handler-waiting-p taskmaster)))
+      (is (not (handler-waiting-p)) "no workers")
+      (push (worker-in :in-request 0) (hunchentoot-recycling-taskmaster::pool-workers taskmaster))
+      (push (worker-in :waiting 50000) (hunchentoot-recycling-taskmaster::pool-workers taskmaster))
+      (push (worker-in :serving 50000) (hunchentoot-recycling-taskmaster::pool-workers taskmaster))
+      (is (not (handler-waiting-p)) "a request just begun, and workers out of requests begun long ago")
+      (push (worker-in :in-request 5000) (hunchentoot-recycling-taskmaster::pool-workers taskmaster))
+      (is (handler-waiting-p) "a request 5 ms in"))))

@@ -1,7 +1,14 @@
 ;;;; When the pool grows.  A worker woken while no other waits asks for one
 ;;;; more (NOTE-WOKEN); the thread-making thread weighs the request here.
-;;;; A resting worker (pool/worker.lisp) costs nothing to wake: while work
-;;;; waits that no worker has taken, one is released at once.  A new thread
+;;;; A resting worker (pool/worker.lisp) costs no thread to wake: while work
+;;;; waits that no worker has taken and a handler has been running for a
+;;;; millisecond or more, one is released at once, since that handler may
+;;;; wait with the processors busy (one request per connection keeps them
+;;;; busy with the clients and the kernel).  While handlers are quick, a
+;;;; released worker would only take turns with the running ones and be
+;;;; back at rest a moment later
+;;;; (bench/profiles/2026-11-26-resting-release.txt), so it is released
+;;;; only where a thread would be made: for idle processors.  A new thread
 ;;;; pays only when a processor is free to run it: when the processors are
 ;;;; all busy, the newcomer just takes turns with the workers there are,
 ;;;; and each thread added costs every request a share of the switching
@@ -101,13 +108,29 @@ cannot be read), which is then counted against it."
            (decf (idle-gauge-growth-budget gauge))
            t))))
 
+(defun handler-waiting-p (taskmaster)
+  "True when a worker has been inside its request for +LONG-REQUEST-SECONDS+
+or more, as when its handler waits on a timer, a client or a database.
+POOL-LOCK held; each worker's state and start are read as its own thread
+last wrote them."
+  (let ((now (monotonic-microseconds)))
+    (some (lambda (worker)
+            (and (eq (worker-state worker) :in-request)
+                 (>= (- now (worker-request-started worker))
+                     (load-time-value (round (* +long-request-seconds+ 1000000))))))
+          (pool-workers taskmaster))))
+
 (defun growth-decision (taskmaster)
   "What to do about a request for one more worker: :DROP it when a worker
-waits; :LATER when no work waits yet; :GROW when a worker rests or the
-processors' idle time leaves room for a thread; else :DECLINE."
+waits; :LATER when no work waits yet; :GROW when a worker rests while a
+handler waits, or the processors' idle time leaves room for a worker; else
+:DECLINE."
   (cond ((plusp (waiting-worker-count taskmaster)) :drop)
         ((not (engine-work-waiting-p (taskmaster-engine taskmaster))) :later)
-        ((plusp (with-pool-lock (taskmaster) (unreleased-resting-count taskmaster))) :grow)
+        ((with-pool-lock (taskmaster)
+           (and (plusp (unreleased-resting-count taskmaster))
+                (handler-waiting-p taskmaster)))
+         :grow)
         ((take-growth-budget taskmaster) :grow)
         (t :decline)))
 
