@@ -116,8 +116,7 @@ last wrote them."
   (let ((now (monotonic-microseconds)))
     (some (lambda (worker)
             (and (eq (worker-state worker) :in-request)
-                 (>= (- now (worker-request-started worker))
-                     (load-time-value (round (* +long-request-seconds+ 1000000))))))
+                 (long-request-p (- now (worker-request-started worker)))))
           (pool-workers taskmaster))))
 
 (defun growth-decision (taskmaster)

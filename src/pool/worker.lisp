@@ -32,6 +32,12 @@ a database -- or on busy processors; the worker that served it goes back to
 wait on the engine even when MAX-WAITING-THREAD-COUNT others wait, since
 handlers that wait need workers in circulation.")
 
+(declaim (inline long-request-p))
+(defun long-request-p (microseconds)
+  "True when a request that has run MICROSECONDS is long: it has run
++LONG-REQUEST-SECONDS+ or more."
+  (>= microseconds (load-time-value (round (* +long-request-seconds+ 1000000)))))
+
 (defmethod print-object ((worker worker) stream)
   (print-unreadable-object (worker stream :type t :identity t)
     (format stream "~S, ~D requests" (worker-state worker) (worker-requests-served worker))))
@@ -239,8 +245,7 @@ microseconds the request took."
   (when answered
     (incf (worker-requests-served worker)))
   (let ((microseconds (max 0 (- (monotonic-microseconds) (worker-request-started worker)))))
-    (setf (worker-last-request-long-p worker)
-          (>= microseconds (load-time-value (round (* +long-request-seconds+ 1000000))))
+    (setf (worker-last-request-long-p worker) (long-request-p microseconds)
           (worker-state worker) :serving)
     (memory-barrier)
     (when (shutting-down-p taskmaster)
