@@ -487,3 +487,28 @@ THREAD-COUNT workers."
       (is (not (handler-waiting-p)) "a request just begun, and workers out of requests begun long ago")
       (push (worker-in :in-request 5000) (hunchentoot-recycling-taskmaster::pool-workers taskmaster))
       (is (handler-waiting-p) "a request 5 ms in"))))
+
+(test pool.workers-back-from-long-kept-alive-requests-wait-up-to-a-multiple
+  ;; WAITING-LIMIT by the worker's last turn: quick or long, on a new
+  ;; connection or a kept-alive one.
+  (let* ((taskmaster (make-instance 'recycling-taskmaster :max-waiting-thread-count 3))
+         (worker (hunchentoot-recycling-taskmaster::make-worker taskmaster))
+         (factor hunchentoot-recycling-taskmaster::+kept-alive-waiting-factor+))
+    (flet ((limit (long-p new-p)
+             (setf (hunchentoot-recycling-taskmaster::worker-last-request-long-p worker) long-p
+                   (hunchentoot-recycling-taskmaster::worker-last-turn-new-p worker) new-p)
+             (hunchentoot-recycling-taskmaster::waiting-limit taskmaster worker)))
+      (is (= 3 (limit nil nil)) "quick, kept alive")
+      (is (= 2 (limit nil t)) "quick, new connection")
+      (is (= (* factor 3) (limit t nil)) "long, kept alive")
+      (is (= most-positive-fixnum (limit t t)) "long, new connection")
+      (is (< 1 factor) "past the maximum"))
+    ;; JOIN-WAITING holds the count to the limit.
+    (let ((gauges (hunchentoot-recycling-taskmaster::pool-gauges taskmaster)))
+      (setf (hunchentoot-recycling-taskmaster::worker-last-request-long-p worker) t
+            (hunchentoot-recycling-taskmaster::worker-last-turn-new-p worker) nil
+            (hunchentoot-recycling-taskmaster::pool-gauges-waiting gauges) (* factor 3))
+      (is (not (hunchentoot-recycling-taskmaster::join-waiting taskmaster worker)) "the limit reached")
+      (setf (hunchentoot-recycling-taskmaster::pool-gauges-waiting gauges) (1- (* factor 3)))
+      (is (hunchentoot-recycling-taskmaster::join-waiting taskmaster worker) "one short of it")
+      (is (= (* factor 3) (hunchentoot-recycling-taskmaster::pool-gauges-waiting gauges))))))

@@ -17,8 +17,9 @@
 ;;;; - The count of waiting workers changes twice per request: it is an
 ;;;;   atomic word in GAUGES, not locked.  A worker joins the waiters by a
 ;;;;   compare-and-swap that keeps them at most MAX-WAITING-THREAD-COUNT;
-;;;;   only workers back from long requests, or released from rest by
-;;;;   growth, join past it.
+;;;;   only workers back from long requests (up to a multiple of it on
+;;;;   kept-alive connections), or released from rest by growth, join past
+;;;;   it.
 ;;;; - Resting workers (pool/worker.lisp) wait on RESTING-WAKEUP under
 ;;;;   POOL-LOCK; their counts are the lock's.
 ;;;; - A worker's STATE is written by its own thread only.  Before each

@@ -29,7 +29,7 @@ heads, parking it), :IN-REQUEST (from a complete head to the reply sent), or
 (defconstant +long-request-seconds+ 1/1000
   "A request that takes this long waited on something -- a timer, a client,
 a database -- or on busy processors; the worker that served it goes back to
-wait on the engine even when MAX-WAITING-THREAD-COUNT others wait, since
+wait on the engine past MAX-WAITING-THREAD-COUNT (JOIN-WAITING), since
 handlers that wait need workers in circulation.")
 
 (declaim (inline long-request-p))
@@ -87,23 +87,40 @@ WORKER's STATE with it.  True when it did."
                   t))
           (return t))))))
 
+(defconstant +kept-alive-waiting-factor+ 4
+  "Workers back from long requests on kept-alive connections join the
+waiting while fewer than this many times MAX-WAITING-THREAD-COUNT wait.")
+
+(defun waiting-limit (taskmaster worker)
+  "How many workers may wait when WORKER joins them, by its last turn.
+After a quick request, MAX-WAITING-THREAD-COUNT, or one fewer when the turn
+began with a new connection: new connections come one at a time, each
+arming the engine's wait again as it is taken, and a worker asleep in that
+wait is woken for each one, to take turns with the workers already running
+(at one request per connection, the extra waiting worker cost a thread
+switch a connection and a tenth of the requests answered,
+bench/profiles/2026-11-25-new-connection-waits.txt).  After a long request,
+more: handlers that wait need workers in circulation.  On a kept-alive
+connection, up to +KEPT-ALIVE-WAITING-FACTOR+ times the maximum: the bytes
+of kept-alive connections queue in the engine for a worker back from its
+handler to take without sleeping, where each worker more asleep in the wait
+is one woken for them: at 1 ms and 1,000 connections, 12 % more requests
+answered with half the thread switches
+(bench/profiles/2026-11-26-waiting-after-long-requests.txt).  After a long
+request on a new connection, any number: new connections cannot queue for
+a returning worker, since the listening socket is armed one accept at a
+time, and there the same cap cost an eighth of the requests of one request
+per connection at 1 ms."
+  (let ((most (taskmaster-max-waiting-thread-count taskmaster)))
+    (cond ((not (worker-last-request-long-p worker))
+           (if (worker-last-turn-new-p worker) (max 1 (1- most)) most))
+          ((worker-last-turn-new-p worker) most-positive-fixnum)
+          (t (* +kept-alive-waiting-factor+ most)))))
+
 (defun join-waiting (taskmaster worker)
-  "Count WORKER among the waiting unless enough wait already: whatever the
-count when its last request was long; else MAX-WAITING-THREAD-COUNT, or one
-fewer when its last turn began with a new connection.  New connections come
-one at a time, each arming the engine's wait again as it is taken, and a
-worker asleep in that wait is woken for each one, to take turns with the
-workers already running: at one request per connection, the extra waiting
-worker cost a thread switch a connection and a tenth of the requests
-answered (bench/profiles/2026-11-25-new-connection-waits.txt).  Kept-alive
-connections are ready before the workers come back, so the extra one
-seldom sleeps there.  True when WORKER joined."
-  (step-waiting-count taskmaster worker 1
-                      (let ((most (taskmaster-max-waiting-thread-count taskmaster)))
-                        (cond ((worker-last-request-long-p worker) most-positive-fixnum)
-                              ((worker-last-turn-new-p worker) (max 1 (1- most)))
-                              (t most)))
-                      :waiting))
+  "Count WORKER among the waiting unless WAITING-LIMIT wait already.  True
+when WORKER joined."
+  (step-waiting-count taskmaster worker 1 (waiting-limit taskmaster worker) :waiting))
 
 (defun count-out-retiring (taskmaster worker)
   "WORKER retires as surplus: out of the pool's count.  POOL-LOCK held,
