@@ -89,7 +89,9 @@ WORKER's STATE with it.  True when it did."
 
 (defconstant +kept-alive-waiting-factor+ 4
   "Workers back from long requests on kept-alive connections join the
-waiting while fewer than this many times MAX-WAITING-THREAD-COUNT wait.")
+waiting while fewer than this many times MAX-WAITING-THREAD-COUNT wait.  On
+2 processors (3 waiting), 8, 12 and 16 answered alike at 1 ms and 1,000
+connections, 24 fewer.")
 
 (defun waiting-limit (taskmaster worker)
   "How many workers may wait when WORKER joins them, by its last turn.
