@@ -29,7 +29,7 @@ heads, parking it), :IN-REQUEST (from a complete head to the reply sent), or
 (defconstant +long-request-seconds+ 1/1000
   "A request that takes this long waited on something -- a timer, a client,
 a database -- or on busy processors; the worker that served it goes back to
-wait on the engine past MAX-WAITING-THREAD-COUNT (JOIN-WAITING), since
+wait on the engine past MAX-WAITING-THREAD-COUNT (WAITING-LIMIT), since
 handlers that wait need workers in circulation.")
 
 (declaim (inline long-request-p))
