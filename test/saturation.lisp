@@ -157,3 +157,68 @@ threads; then let them go, and check that each client got its 200."
             (ignore-errors (close stream))
             (usocket:socket-close socket)))
         (is (= 1 (stats server :queue-timeout-replies)))))))
+
+;;; Connections queued behind a busy set (TAKE-NEW-CONNECTION), on an engine
+;;; started by hand with no worker: none is free, and nothing else accepts.
+
+(defun accept-queue-length (port)
+  "How many connections the kernel has queued on the socket listening on
+PORT of 127.0.0.1: the receive queue /proc/net/tcp reports for it."
+  (with-open-file (table "/proc/net/tcp")
+    (loop for line = (read-line table nil)
+          while line
+          do (destructuring-bind (&optional slot local remote state queues &rest more)
+                 (cl-ppcre:split "\\s+" (string-trim " " line))
+               (declare (ignore slot remote more))
+               (when (and (equal state "0A")
+                          (equal local (format nil "0100007F:~4,'0X" port)))
+                 (return (parse-integer queues :start (1+ (position #\: queues)) :radix 16)))))))
+
+(defmacro with-engine-without-workers ((engine set port) &body body)
+  "Run BODY with the readiness ENGINE of an acceptor listening on PORT, its
+SET started, and no worker."
+  (let ((acceptor (gensym "ACCEPTOR")))
+    `(let ((,acceptor (make-server 'parallel-easy-acceptor :taskmaster (make-instance 'recycling-taskmaster))))
+       ;; What HUNCHENTOOT:START does before it starts the taskmaster.
+       (setf (ht:taskmaster-acceptor (ht::acceptor-taskmaster ,acceptor)) ,acceptor
+             (hrt::acceptor-shutting-down-p ,acceptor) nil)
+       (ht:start-listening ,acceptor)
+       (let ((,engine (hrt::taskmaster-engine-for (ht::acceptor-taskmaster ,acceptor) ,acceptor))
+             (,port (usocket:get-local-port (hrt::acceptor-listen-socket ,acceptor))))
+         (unwind-protect
+              (progn (hrt::engine-start ,engine)
+                     (let ((,set (hrt::engine-readiness-set ,engine)))
+                       ,@body))
+           (hrt::engine-finish ,engine)
+           (usocket:socket-close (hrt::acceptor-listen-socket ,acceptor)))))))
+
+(test saturation.connections-queued-behind-a-busy-set-are-taken-together
+  (with-engine-without-workers (engine set port)
+    (let ((clients '()))
+      (flet ((queue-requests (count)
+               (dotimes (index count)
+                 (let ((socket (connect-to-port port)))
+                   (push socket clients)
+                   (send-text socket (get-request "/test/yo"))))
+               (wait-until (lambda () (eql count (accept-queue-length port)))))
+             (take-after-waiting (microseconds)
+               (setf (hrt::readiness-set-listen-armed-at set) (- (hrt::monotonic-microseconds) microseconds))
+               (let ((connection (hrt::take-new-connection engine set)))
+                 (when connection
+                   (hrt::close-connection set connection))
+                 connection)))
+        (unwind-protect
+             (progn
+               (is-true (queue-requests 4) "four connections queued")
+               (is-true (take-after-waiting 20000))
+               (is (= 3 (hrt::parked-connection-count set))
+                   "a report that waited 20 ms: the three queued behind the first are taken and parked, ~D"
+                   (hrt::parked-connection-count set))
+               (is (eql 0 (accept-queue-length port)))
+               (is-true (queue-requests 3) "three more queued")
+               (is-true (take-after-waiting 0))
+               (is (= 3 (hrt::parked-connection-count set))
+                   "a report that did not wait: only the first is taken, ~D parked"
+                   (hrt::parked-connection-count set))
+               (is (eql 2 (accept-queue-length port))))
+          (mapc #'usocket:socket-close clients))))))

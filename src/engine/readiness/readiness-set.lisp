@@ -30,6 +30,10 @@
   ;; Threads inside WHEN-ACCEPTING: from the listening socket's report to
   ;; the connection they took entered in the table.
   (accepting-thread-count 0 :type word)
+  ;; When the listening socket was last armed (MONOTONIC-MICROSECONDS): how
+  ;; long its next report waited behind the connections ready before it
+  ;; (TAKE-NEW-CONNECTION).
+  (listen-armed-at (monotonic-microseconds) :type fixnum)
   ;; A descriptor held in reserve, so that a message can still be logged when
   ;; the process has no other free (Hunchentoot opens the log file for every
   ;; message); NIL when none could be kept.
@@ -132,6 +136,7 @@ worker whose accept(2) failed, before it lets another accept."
   "Arm the listening socket again, unless accepting has stopped: looked at
 again after arming, since STOP-ACCEPTING may have disarmed it meanwhile."
   (unless (readiness-set-accepting-stopped-p set)
+    (setf (readiness-set-listen-armed-at set) (monotonic-microseconds))
     (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-listen-fd set) +listen-token+)
     (memory-barrier)
     (when (readiness-set-accepting-stopped-p set)

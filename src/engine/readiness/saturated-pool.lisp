@@ -7,6 +7,8 @@
 ;;;; timeout, and is answered 503 with Retry-After when that passes,
 ;;;; instead of 408 at the header timeout or nothing at all.  Whatever it
 ;;;; takes it parks again at once, so the first worker to wait serves it.
+;;;; A worker woken for the listening socket while no other is free takes
+;;;; the connections queued behind the one it serves in the same way.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -89,22 +91,51 @@ anything counts as a request waiting for a worker."
         ((plain-connection-p connection) (look-at-arrived-head engine set connection))
         (t (queue-for-worker engine set connection))))
 
-(defconstant +accepts-per-sweep-event+ 64
-  "The most connections the sweep accepts each time the listening socket is
-reported: under a flood of connections it still returns to its deadlines.")
+(defconstant +accepts-per-report+ 64
+  "The most connections taken, besides the first, at one report of the
+listening socket while no worker is free (by the sweep, or by the worker
+woken for it): under a flood of connections either still returns to what it
+was doing.")
 
 (defun accept-waiting-connections (engine set)
-  "Take connections waiting on SET's listening socket and park them until
-their heads arrive.  Only on plain acceptors: a TLS connection needs its
-handshake, which a worker does, so it waits in the accept queue."
-  (if (hunchentoot:acceptor-ssl-p (engine-acceptor engine))
-      (rearm-listen-socket set)
-      (loop repeat +accepts-per-sweep-event+
-            for connection = (when-accepting (set) (accept-new-connection engine set))
-            while connection
-            do (if (start-connection-stream engine connection)
-                   (wait-for-rest-of-head engine set connection)
-                   (close-connection set connection)))))
+  "Take up to +ACCEPTS-PER-REPORT+ connections waiting on SET's listening
+socket, which is plain, and park them until their heads arrive."
+  (loop repeat +accepts-per-report+
+        for connection = (when-accepting (set) (accept-new-connection engine set))
+        while connection
+        do (if (start-connection-stream engine connection)
+               (wait-for-rest-of-head engine set connection)
+               (close-connection set connection))))
+
+(defconstant +long-listen-wait-seconds+ 2/1000
+  "A report of the listening socket that came this long after its arming,
+while no worker is free, waited behind connections ready before it.  With
+one request per connection the socket is nearly all the set reports: its
+reports waited under 0.2 ms in over 95 % of turns and 2 ms or more in
+fewer than 1 in 4,000; behind 1,000 kept-alive connections busy with 1 ms
+handlers, most waited 2 to 20 ms
+(bench/profiles/2026-11-26-accepting-behind-a-busy-set.txt).")
+
+(defun take-new-connection (engine set)
+  "The connection a worker woken for SET's listening socket is to serve, or
+NIL.  When the report waited +LONG-LISTEN-WAIT-SECONDS+ or more and no
+worker is free, a plain acceptor's worker takes the connections queued
+behind it too (ACCEPT-WAITING-CONNECTIONS): the socket is armed for one
+accept at a time, and with every worker busy its next report comes only
+after the connections ready before it.  A thousand clients connecting to
+a pool busy with kept-alive ones were accepted one per round of the set,
+over seconds, their first requests waiting in the kernel's queue
+meanwhile (bench/profiles/2026-11-26-accepting-behind-a-busy-set.txt).  A
+TLS connection needs its handshake, which the worker that takes it up
+does: those wait in the kernel's queue."
+  (let ((waited (- (monotonic-microseconds) (readiness-set-listen-armed-at set)))
+        (connection (accept-new-connection engine set)))
+    (when (and connection
+               (>= waited (load-time-value (round (* +long-listen-wait-seconds+ 1000000))))
+               (no-worker-free-p engine)
+               (not (hunchentoot:acceptor-ssl-p (engine-acceptor engine))))
+      (accept-waiting-connections engine set))
+    connection))
 
 (defun sweep-while-no-worker-free (engine set)
   "While no worker is free, take what SET reports ready as a worker would and
@@ -118,7 +149,12 @@ while ready is reported again."
                (:interrupted)
                (:timeout (return))
                (t (cond ((= token +wakeup-token+) (return))
-                        ((= token +listen-token+) (accept-waiting-connections engine set))
+                        ((= token +listen-token+)
+                         (if (hunchentoot:acceptor-ssl-p (engine-acceptor engine))
+                             ;; A TLS connection needs its handshake, which
+                             ;; a worker does: it waits in the accept queue.
+                             (rearm-listen-socket set)
+                             (accept-waiting-connections engine set)))
                         (t (let ((connection (take-ready-connection set token)))
                              (when connection
                                (note-ready-connection engine set connection))))))))))

@@ -56,7 +56,7 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
           while token
           do (let* ((new-p (= token +listen-token+))
                     (connection (if new-p
-                                    (when-accepting (set) (accept-new-connection engine set))
+                                    (when-accepting (set) (take-new-connection engine set))
                                     (take-ready-connection set token))))
                (note-turn-taken worker new-p)
                (when connection
