@@ -128,11 +128,13 @@ over seconds, their first requests waiting in the kernel's queue
 meanwhile (bench/profiles/2026-11-26-accepting-behind-a-busy-set.txt).  A
 TLS connection needs its handshake, which the worker that takes it up
 does: those wait in the kernel's queue."
-  (let ((waited (- (monotonic-microseconds) (readiness-set-listen-armed-at set)))
-        (connection (accept-new-connection engine set)))
+  ;; Read before the accept, which arms the socket again.
+  (let* ((armed-at (readiness-set-listen-armed-at set))
+         (connection (accept-new-connection engine set)))
     (when (and connection
-               (>= waited (load-time-value (round (* +long-listen-wait-seconds+ 1000000))))
                (no-worker-free-p engine)
+               (>= (- (monotonic-microseconds) armed-at)
+                   (load-time-value (round (* +long-listen-wait-seconds+ 1000000))))
                (not (hunchentoot:acceptor-ssl-p (engine-acceptor engine))))
       (accept-waiting-connections engine set))
     connection))
