@@ -191,13 +191,46 @@ https, the bench's self-signed certificate is taken as it is."
         thereis (equal "Hey!" (http-get port "/yo" :scheme scheme))
         do (sleep 0.1)))
 
-(defun lisp-counters (port reset)
-  "Requests served, bytes consed and peak threads of a Lisp server, as a plist."
-  (let ((text (http-get port (if reset "/bench-stats?reset=1" "/bench-stats"))))
-    (when text
-      (destructuring-bind (requests consed peak)
-          (mapcar #'parse-integer (cl-ppcre:all-matches-as-strings "\\d+" text))
-        (list :requests requests :consed consed :peak-threads peak)))))
+(defun parse-lisp-counters (text)
+  "The plist of LISP-COUNTERS from the body TEXT of GET /bench-stats.  The
+server of a revision from before 2026-11-27 that bench/run compare
+measures adds its peak thread count."
+  (destructuring-bind (requests consed &rest older-counts)
+      (mapcar #'parse-integer (cl-ppcre:all-matches-as-strings "\\d+" text))
+    (declare (ignore older-counts))
+    (list :requests requests :consed consed)))
+
+(defun lisp-counters (port)
+  "Requests served and bytes consed of a Lisp server, as a plist."
+  (let ((text (http-get port "/bench-stats")))
+    (and text (parse-lisp-counters text))))
+
+(defun process-thread-count (pid)
+  "The threads of process PID now, from /proc/PID/status, or NIL."
+  (ignore-errors
+   (with-open-file (status (format nil "/proc/~D/status" pid))
+     (loop for line = (read-line status nil)
+           while line
+           when (and (> (length line) 8) (string= "Threads:" line :end2 8))
+             return (parse-integer line :start 8)))))
+
+(defun call-counting-threads (pid function)
+  "Call FUNCTION while the threads of process PID are counted every 10 ms
+from this process, which costs the measured one nothing.  FUNCTION's value
+and the most threads seen."
+  (let* ((peak 0)
+         (done nil)
+         (counter (bt:make-thread (lambda ()
+                                    (loop until done
+                                          do (let ((threads (process-thread-count pid)))
+                                               (when (and threads (> threads peak))
+                                                 (setf peak threads)))
+                                             (sleep 0.01)))
+                                  :name "thread counter")))
+    (let ((value (unwind-protect (funcall function)
+                   (setf done t)
+                   (bt:join-thread counter))))
+      (values value peak))))
 
 ;;; wrk.
 
@@ -252,18 +285,20 @@ https, the bench's self-signed certificate is taken as it is."
              (list :failed "server did not answer GET /yo within 30 s")
              (let ((lisp (getf server :lisp)))
                (wrk port workload warm-seconds)
-               (let* ((before (and lisp (lisp-counters port t)))
-                      (output (wrk port workload seconds))
-                      (after (and lisp (lisp-counters port nil)))
-                      (served (and before after (- (getf after :requests) (getf before :requests)))))
-                 (with-open-file (out (concatenate 'string base ".wrk.txt") :direction :output
-                                                                             :if-exists :supersede)
-                   (write-string output out))
-                 (append (parse-wrk output)
-                         (list :bytes-consed-per-request
-                               (and served (plusp served)
-                                    (round (- (getf after :consed) (getf before :consed)) served))
-                               :peak-threads (and after (getf after :peak-threads)))))))
+               (let ((before (and lisp (lisp-counters port))))
+                 (multiple-value-bind (output peak-threads)
+                     (call-counting-threads (uiop:process-info-pid process)
+                                            (lambda () (wrk port workload seconds)))
+                   (let* ((after (and lisp (lisp-counters port)))
+                          (served (and before after (- (getf after :requests) (getf before :requests)))))
+                     (with-open-file (out (concatenate 'string base ".wrk.txt") :direction :output
+                                                                                 :if-exists :supersede)
+                       (write-string output out))
+                     (append (parse-wrk output)
+                             (list :bytes-consed-per-request
+                                   (and served (plusp served)
+                                        (round (- (getf after :consed) (getf before :consed)) served))
+                                   :peak-threads (and lisp peak-threads))))))))
       (stop-server process))))
 
 ;;; Output.

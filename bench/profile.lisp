@@ -40,21 +40,27 @@ time goes, :ALLOC for where the bytes are consed.  True when wrk answered."
       (ht:stop *acceptor*))))
 
 ;;; What a kept-alive request costs ours, for the matrix's summary: system
-;;; calls and bytes consed per request served.  The calls are counted by
-;;; the kernel's tracepoints (perf stat), which leave the server's timing
-;;; alone; strace -c -f, the fallback where perf cannot count, stops each
-;;; thread at each call, which leaves workers idle and adds the pool's own
-;;; futex calls to the count (0.56 a request, bench/profiles/2026-11-24-
-;;; system-call-counts.txt).
+;;; calls and bytes consed per request served, while the connections are
+;;; open -- their opening and closing are the connections' cost, not the
+;;; requests'.  The calls are counted by the kernel's tracepoints (perf
+;;; stat), which leave the server's timing alone, switched on and off
+;;; through perf's control fifo around the two readings of the server's
+;;; request count; strace -c -f, the fallback where perf cannot count,
+;;; counts the whole load instead, and stops each thread at each call,
+;;; which leaves workers idle and adds the pool's own futex calls to the
+;;; count (0.56 a request, bench/profiles/2026-11-24-system-call-counts.txt).
 
 (defparameter *named-system-calls* '("recvfrom" "sendto" "epoll_wait" "epoll_ctl" "futex")
   "The system calls whose counts the summary names beside the total: a
 kept-alive request's own, and the pool's.")
 
-(defun perf-counting-command (pid seconds output)
+(defun perf-counting-command (pid seconds output control acknowledgement)
   "perf stat counting PID's system calls, in all and those of
-*NAMED-SYSTEM-CALLS*, for SECONDS, as CSV into OUTPUT."
+*NAMED-SYSTEM-CALLS*, for at most SECONDS, as CSV into OUTPUT: off until
+enabled, and off again, through the fifo CONTROL, each command
+acknowledged on the fifo ACKNOWLEDGEMENT."
   (list* "perf" "stat" "-x" "," "-o" (namestring output) "-p" (princ-to-string pid)
+         "--delay=-1" (format nil "--control=fifo:~A,~A" (namestring control) (namestring acknowledgement))
          "-e" "raw_syscalls:sys_enter"
          (append (loop for name in *named-system-calls*
                        collect "-e" collect (format nil "syscalls:sys_enter_~A" name))
@@ -93,26 +99,99 @@ nothing (perf missing, or not allowed to count)."
                 (loop for name in *named-system-calls*
                       collect (cons name (or (calls name) 0)))))))))
 
-(defun count-system-calls (pid seconds load)
-  "Call LOAD while the system calls of process PID are counted, for about
-SECONDS: the counts as READ-PERF-COUNTS gives them and the tool that
-counted (:PERF, or :STRACE where perf cannot, LOAD then called again), or
-NIL."
+(defun make-fifo (pathname)
+  (uiop:run-program (list "mkfifo" (namestring pathname))))
+
+(defun perf-command (control acknowledgements command)
+  "Send perf the control COMMAND (enable, disable) on the stream CONTROL and
+wait up to 5 s for its acknowledgement on ACKNOWLEDGEMENTS.  True when perf
+acknowledged it."
+  (write-line command control)
+  (finish-output control)
+  (handler-case (sb-sys:with-deadline (:seconds 5)
+                  ;; perf writes "ack", a newline and a NUL.
+                  (search "ack" (or (read-line acknowledgements nil) "")))
+    (sb-sys:deadline-timeout () nil)))
+
+(defun read-lisp-counters (stream)
+  "LISP-COUNTERS, asked on STREAM, a kept-alive connection to the server:
+answered in a fraction of a millisecond, where a curl process takes
+several, as many as a thousand requests at this speed, enough to skew a
+count of calls per request by a thousandth."
+  (format stream "GET /bench-stats HTTP/1.1~C~CHost: 127.0.0.1~C~C~C~C"
+          #\Return #\Linefeed #\Return #\Linefeed #\Return #\Linefeed)
+  (finish-output stream)
+  (let ((length 0))
+    (loop for line = (string-right-trim '(#\Return) (read-line stream))
+          until (zerop (length line))
+          when (and (> (length line) 15) (string-equal "content-length:" line :end2 15))
+            do (setf length (parse-integer line :start 15)))
+    (let ((body (make-string length)))
+      (read-sequence body stream)
+      (parse-lisp-counters body))))
+
+(defun count-with-perf (pid port workload seconds)
+  "Load ours (process PID, on PORT) with WORKLOAD for SECONDS and a second
+each side, and count its system calls with perf over the middle SECONDS,
+reading its counters (LISP-COUNTERS) as counting starts and as it ends.
+The counts as READ-PERF-COUNTS gives them and the counters before and
+after; NIL when perf could not count."
   (uiop:with-temporary-file (:pathname output)
-    (flet ((count-with (command reader &optional stop)
-             (let ((counter (ignore-errors (uiop:launch-program command :output nil :error-output nil))))
-               (when counter
-                 ;; Both attach to each thread before they count.
-                 (sleep 1)
-                 (funcall load)
-                 (when stop (uiop:terminate-process counter))
-                 (uiop:wait-process counter)
-                 (funcall reader output)))))
-      (let ((counts (count-with (perf-counting-command pid (+ seconds 2) output) #'read-perf-counts)))
-        (if counts
-            (values counts :perf)
-            (let ((counts (count-with (strace-counting-command pid output) #'read-strace-counts t)))
-              (and counts (values counts :strace))))))))
+    (let* ((folder (uiop:pathname-directory-pathname output))
+           (control (merge-pathnames (format nil "perf-control-~D" pid) folder))
+           (acknowledgement (merge-pathnames (format nil "perf-acknowledgement-~D" pid) folder)))
+      (make-fifo control)
+      (make-fifo acknowledgement)
+      (unwind-protect
+           ;; Opened for reading and writing, a fifo opens at once, whether
+           ;; perf has opened it yet or not.
+           (with-open-file (commands control :direction :io :if-exists :append)
+             (with-open-file (acknowledgements acknowledgement :direction :io :if-exists :append)
+              (usocket:with-client-socket (socket counters "127.0.0.1" port)
+               (let ((counter (ignore-errors
+                               (uiop:launch-program (perf-counting-command pid (+ seconds 10) output
+                                                                           control acknowledgement)
+                                                    :output nil :error-output nil)))
+                     (before nil)
+                     (after nil))
+                 (when counter
+                   (let ((load (uiop:launch-program
+                                (list "wrk" "-t2" (format nil "-c~D" (getf workload :connections))
+                                      (format nil "-d~Ds" (+ seconds 2))
+                                      (format nil "http://127.0.0.1:~D~A" port (workload-path workload)))
+                                :output nil :error-output nil)))
+                     ;; wrk's connections are open and busy a second in.
+                     (sleep 1)
+                     (when (perf-command commands acknowledgements "enable")
+                       (setf before (read-lisp-counters counters))
+                       (sleep seconds)
+                       (when (perf-command commands acknowledgements "disable")
+                         (setf after (read-lisp-counters counters))))
+                     (uiop:wait-process load)
+                     ;; perf writes its counts on SIGINT, not on TERM.
+                     (uiop:run-program (list "kill" "-INT" (princ-to-string (uiop:process-info-pid counter)))
+                                       :ignore-error-status t)
+                     (uiop:wait-process counter)
+                     (let ((counts (read-perf-counts output)))
+                       (and counts before after (values counts before after)))))))))
+        (uiop:delete-file-if-exists control)
+        (uiop:delete-file-if-exists acknowledgement)))))
+
+(defun count-with-strace (pid port workload seconds)
+  "As COUNT-WITH-PERF, with strace over the whole load of SECONDS; NIL when
+strace could not count."
+  (uiop:with-temporary-file (:pathname output)
+    (let ((counter (ignore-errors (uiop:launch-program (strace-counting-command pid output)
+                                                       :output nil :error-output nil))))
+      (when counter
+        ;; strace attaches to each thread before it counts.
+        (sleep 1)
+        (let* ((before (lisp-counters port))
+               (after (progn (wrk port workload seconds) (lisp-counters port))))
+          (uiop:terminate-process counter)
+          (uiop:wait-process counter)
+          (let ((counts (read-strace-counts output)))
+            (and counts before after (values counts before after))))))))
 
 (defun measure-request-costs (core &key (connections 100) (seconds 3))
   "Ours in a process of its own from CORE, /yo kept alive over CONNECTIONS
@@ -122,25 +201,26 @@ alist), the tool that counted them, and the bytes consed per request; NIL
 values for the calls when neither perf nor strace could count."
   (let* ((port (free-port))
          (process (launch-server (second *servers*) port 0 core nil))
+         (pid (uiop:process-info-pid process))
          (workload (list :delay-ms 0 :close nil :connections connections)))
     (unwind-protect
          (when (wait-until-serving port)
            (wrk port workload 2)
-           (let ((before nil)
-                 (after nil))
-             ;; The counters are read around each load: where perf runs and
-             ;; counts nothing, the load runs again under strace; where
-             ;; neither can count, it runs once uncounted.
-             (flet ((load-server ()
-                      (setf before (lisp-counters port t))
-                      (wrk port workload seconds)
-                      (setf after (lisp-counters port nil))))
-               (multiple-value-bind (counts tool)
-                   (count-system-calls (uiop:process-info-pid process) seconds #'load-server)
-                 (unless after
-                   (load-server))
-               (let ((served (- (getf after :requests) (getf before :requests))))
-                 (when (plusp served)
+           (let ((tool :perf))
+             (multiple-value-bind (counts before after)
+                 (handler-case (count-with-perf pid port workload seconds)
+                   (error (condition)
+                     (format t "~&perf could not count: ~A~%" condition)
+                     nil))
+               (unless counts
+                 (setf tool :strace)
+                 (multiple-value-setq (counts before after) (count-with-strace pid port workload seconds)))
+               (unless counts
+                 (setf tool nil
+                       before (lisp-counters port)
+                       after (progn (wrk port workload seconds) (lisp-counters port))))
+               (let ((served (and before after (- (getf after :requests) (getf before :requests)))))
+                 (when (and served (plusp served))
                    (list :requests served
                          :counted-by tool
                          :system-calls-per-request (let ((all (cdr (assoc "all" counts :test #'string=))))
@@ -149,16 +229,45 @@ values for the calls when neither perf nor strace could count."
                                       unless (string= name "all")
                                         collect (cons name (/ count served)))
                          :bytes-consed-per-request (round (- (getf after :consed) (getf before :consed))
-                                                          served))))))))
+                                                          served)))))))
       (stop-server process))))
+
+(defun request-objects-bytes (&key (count 100000))
+  "The bytes consed by the request and reply objects alone of a kept-alive
+GET, made COUNT times as ours makes them for every request (its
+constructors for PARALLEL-EASY-ACCEPTOR's classes), in this process: the
+least a request served to Hunchentoot's handlers conses, since each must
+get objects of its own -- a handler may keep *REQUEST* or *REPLY*, in a
+closure, a session or a queue, and would see a reused one change."
+  (let* ((acceptor (make-instance 'hrt:parallel-easy-acceptor :address "127.0.0.1" :port 0))
+         (constructors (hrt::make-object-constructors acceptor))
+         (plain-request (hrt::object-constructors-plain-request constructors))
+         (headers (list (cons :host "127.0.0.1:8080"))))
+    (flet ((make-objects ()
+             (funcall plain-request acceptor "127.0.0.1" 8080 "127.0.0.1" 40000 headers nil
+                      :get "/yo" :http/1.1 "/yo" nil '() '())
+             (hrt::make-reply constructors)))
+      (make-objects)
+      (let ((before (sb-ext:get-bytes-consed)))
+        (dotimes (index count)
+          (make-objects))
+        (round (- (sb-ext:get-bytes-consed) before) count)))))
+
+(defparameter *request-costs-seconds* 5
+  "Seconds the costs of a kept-alive request are counted over: the readings
+of the request count around them are each late by up to a request's turn
+(a millisecond at 100 connections), which skews the calls per request by
+a few ten-thousandths at 3 s.")
 
 (defun append-request-costs (directory core)
   "Measure what a kept-alive request costs ours and add it to DIRECTORY's
 summary.md and to the output."
-  (let* ((costs (measure-request-costs core))
-         (text (format nil "~%What a kept-alive request costs ours (0 ms handler, 100 connections, wrk for ~
-                            3 s, system calls counted by ~A): ~:[-~;~:*~,2F~] system calls~@[ (~{~{~A ~,2F~}~^, ~})~] ~
-                            and ~:[-~;~:*~D~] bytes consed per request (~D requests).~%"
+  (let* ((costs (measure-request-costs core :seconds *request-costs-seconds*))
+         (text (format nil "~%What a kept-alive request costs ours (0 ms handler, 100 connections, ~D s ~
+                            while they are open, system calls counted by ~A): ~:[-~;~:*~,3F~] system ~
+                            calls~@[ (~{~{~A ~,3F~}~^, ~})~] and ~:[-~;~:*~D~] bytes consed per request ~
+                            (~D requests), of which ~D are the request and reply objects alone.~%"
+                       *request-costs-seconds*
                        (case (getf costs :counted-by)
                          (:perf "the kernel's tracepoints, perf stat")
                          (:strace "strace -c -f, which slows every thread: perf could not count")
@@ -167,7 +276,8 @@ summary.md and to the output."
                        (loop for (name . per-request) in (getf costs :calls)
                              collect (list name per-request))
                        (getf costs :bytes-consed-per-request)
-                       (getf costs :requests))))
+                       (getf costs :requests)
+                       (request-objects-bytes))))
     (with-open-file (out (concatenate 'string directory "summary.md") :direction :output :if-exists :append)
       (write-string text out))
     (write-string text)

@@ -435,18 +435,25 @@ DEADLINE (internal real time) passes.  Counts the 200 replies."
   "An idle gauge whose last reading was IDLE-TICKS-SINCE idle ticks and
 TOTAL-TICKS-SINCE ticks in all before now, read again for a pool of
 THREAD-COUNT workers."
-  (multiple-value-bind (idle total) (hunchentoot-recycling-taskmaster::read-processor-ticks)
-    (let ((gauge (hunchentoot-recycling-taskmaster::make-idle-gauge)))
-      (setf (hunchentoot-recycling-taskmaster::idle-gauge-read-at gauge)
-            (- (get-internal-real-time) internal-time-units-per-second)
-            (hunchentoot-recycling-taskmaster::idle-gauge-idle-ticks gauge) (- idle idle-ticks-since)
-            (hunchentoot-recycling-taskmaster::idle-gauge-total-ticks gauge) (- total total-ticks-since))
-      (hunchentoot-recycling-taskmaster::refresh-idle-gauge gauge thread-count)
-      gauge)))
+  (let ((gauge (hunchentoot-recycling-taskmaster::make-idle-gauge)))
+    (unwind-protect
+         (multiple-value-bind (idle total) (hunchentoot-recycling-taskmaster::read-processor-ticks gauge)
+           (setf (hunchentoot-recycling-taskmaster::idle-gauge-read-at gauge)
+                 (- (get-internal-real-time) internal-time-units-per-second)
+                 (hunchentoot-recycling-taskmaster::idle-gauge-idle-ticks gauge) (- idle idle-ticks-since)
+                 (hunchentoot-recycling-taskmaster::idle-gauge-total-ticks gauge) (- total total-ticks-since))
+           (hunchentoot-recycling-taskmaster::refresh-idle-gauge gauge thread-count)
+           gauge)
+      (hunchentoot-recycling-taskmaster::close-idle-gauge gauge))))
 
 (test growth.budget-is-the-idle-share-of-the-pool
-  (multiple-value-bind (idle total) (hunchentoot-recycling-taskmaster::read-processor-ticks)
-    (is (and (integerp idle) (integerp total) (< 0 idle total)) "/proc/stat read: ~S ~S" idle total))
+  (let ((gauge (hunchentoot-recycling-taskmaster::make-idle-gauge)))
+    (unwind-protect
+         ;; Twice through one descriptor: each reading starts at the file's start.
+         (loop repeat 2
+               do (multiple-value-bind (idle total) (hunchentoot-recycling-taskmaster::read-processor-ticks gauge)
+                    (is (and (integerp idle) (integerp total) (< 0 idle total)) "/proc/stat read: ~S ~S" idle total)))
+      (hunchentoot-recycling-taskmaster::close-idle-gauge gauge)))
   ;; The ticks that pass between the two readings are few beside 10,000.
   (let ((half-idle (idle-gauge-after 5000 10000 10)))
     (is (< 45/100 (hunchentoot-recycling-taskmaster::idle-gauge-idle-share half-idle) 55/100))

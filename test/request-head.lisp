@@ -46,6 +46,22 @@ headers, method, URI, protocol; or the status code alone."
     (is (equal "/a/b?c=d" uri))
     (is (eq :http/1.1 protocol))))
 
+(test head.parsed-into-a-reused-head-as-into-a-new-one
+  ;; A worker parses every head into its one REQUEST-HEAD: each parse
+  ;; leaves nothing of the one before.
+  (let ((reused (hunchentoot-recycling-taskmaster::make-request-head)))
+    (dolist (lines '(("POST /form HTTP/1.1" "Host: a" "Content-Length: 0" "Cookie: c=1")
+                     ("GET / HTTP/1.0")
+                     ("DELETE /x?y HTTP/1.1" "Host: b")))
+      (let* ((octets (apply #'head-octets (append lines '(""))))
+             (parts (destructuring-bind (status start line-end head-end) (scan-head octets)
+                      (declare (ignore status))
+                      (list start line-end head-end))))
+        (flet ((parse (head)
+                 (head-parts (apply #'hunchentoot-recycling-taskmaster::parse-request-head
+                                    octets (append parts (list nil head))))))
+          (is (equal (parse nil) (parse reused)) "~S" (first lines)))))))
+
 (test head.every-proper-prefix-is-incomplete
   (let ((octets (head-octets "GET / HTTP/1.1" "Host: x" "")))
     (is (loop for end from 0 below (length octets)

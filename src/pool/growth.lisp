@@ -21,18 +21,27 @@
 ;;;; the last moment, by at most the idle share of the pool's size until it
 ;;;; is measured again; growth declines otherwise, and looks again at
 ;;;; growing intervals while no worker waits, since a pool whose every
-;;;; worker blocks has nobody left to ask.  Where the processors' idle time
+;;;; worker blocks has nobody left to ask.  Until the pool grows, each
+;;;; weighing is the last for an interval, which doubles up to
+;;;; +LAST-GROWTH-WEIGHING-INTERVAL+: a worker asking in between is heard
+;;;; at the next one, without waking the thread-making thread, which under
+;;;; a load that keeps every waiting worker busy would otherwise weigh
+;;;; hundreds of times a second, for nothing.  Where the processors' idle time
 ;;;; cannot be read, the pool grows whenever it is asked.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
 (defconstant +first-growth-weighing-interval+ 1/1000
-  "Seconds before growth is weighed again after it was first declined.")
+  "Seconds before growth is weighed again after the first weighing that did
+not grow the pool.")
 
-(defconstant +last-growth-weighing-interval+ 16/1000
-  "The longest interval between two weighings of growth while it is
-declined: how late the pool may start growing when its handlers begin to
-block.")
+(defconstant +last-growth-weighing-interval+ 32/1000
+  "The longest interval between two weighings of growth while the pool does
+not grow: how late it may start growing when its handlers begin to block.
+Under a load that keeps every waiting worker busy with quick handlers the
+thread-making thread weighs at this rate, for nothing: at 0 ms and 100
+kept-alive connections, 16 ms cost 0.0022-0.0024 futex calls a request,
+32 ms 0.0014-0.0015 (bench/profiles/2026-11-26-growth-weighing.txt).")
 
 (defconstant +idle-sample-seconds+ 1/20
   "The shortest stretch of time the processors' idle share is measured over:
@@ -42,26 +51,33 @@ the kernel counts it in ticks of 10 ms.")
   "The share of the processors' time that must have been idle for the pool
 to grow.")
 
-(defun read-processor-ticks ()
-  "The machine's processor time, from the first line of /proc/stat: ticks
-idle (idle and iowait) and ticks in all (steal included, guest time being
-counted in user time already), or NIL when it cannot be read."
-  (ignore-errors
-   (with-open-file (stat "/proc/stat" :external-format :latin-1)
-     (let ((line (read-line stat)))
-       (when (and (> (length line) 4) (string= "cpu " line :end2 4))
-         (let ((ticks (loop with position = 4
-                            repeat 8
-                            collect (multiple-value-bind (number end)
-                                        (parse-integer line :start position :junk-allowed t)
-                                      (setf position end)
-                                      number))))
-           (when (every #'integerp ticks)
-             (values (+ (nth 3 ticks) (nth 4 ticks))
-                     (reduce #'+ ticks)))))))))
+(defconstant +processor-ticks-octets+ 512
+  "Room for the first line of /proc/stat: \"cpu\" and ten counts of ticks.")
+
+(defun parse-processor-ticks (buffer end)
+  "The ticks idle (idle and iowait) and the ticks in all (steal included,
+guest time being counted in user time already) of the first line of
+/proc/stat, in BUFFER below END; NIL when it is not such a line."
+  (let* ((line-end (or (position 10 buffer :end end) end))
+         (line (map 'string #'code-char (subseq buffer 0 line-end))))
+    (when (and (> (length line) 4) (string= "cpu " line :end2 4))
+      (let ((ticks (loop with position = 4
+                         repeat 8
+                         collect (multiple-value-bind (number number-end)
+                                     (parse-integer line :start position :junk-allowed t)
+                                   (setf position number-end)
+                                   number))))
+        (when (every #'integerp ticks)
+          (values (+ (nth 3 ticks) (nth 4 ticks))
+                  (reduce #'+ ticks)))))))
 
 (defstruct (idle-gauge (:constructor make-idle-gauge ()))
   "The processors' idle share, measured by the thread-making thread only."
+  ;; A descriptor open on /proc/stat, read again from its start at each
+  ;; reading (one pread(2), where opening, reading and closing the file
+  ;; took five system calls), or NIL while it could not be opened.
+  (stat-fd nil)
+  (buffer (make-array +processor-ticks-octets+ :element-type '(unsigned-byte 8)) :read-only t)
   ;; Internal real time of the last reading, and its ticks.
   (read-at nil)
   (idle-ticks 0)
@@ -71,6 +87,22 @@ counted in user time already), or NIL when it cannot be read."
   (idle-share nil)
   ;; Workers the pool may still add before the next reading.
   (growth-budget 0))
+
+(defun read-processor-ticks (gauge)
+  "The machine's processor time now, as PARSE-PROCESSOR-TICKS gives it, read
+through GAUGE's descriptor on /proc/stat (opened first if need be), or NIL
+when it cannot be read."
+  (let* ((fd (or (idle-gauge-stat-fd gauge)
+                 (setf (idle-gauge-stat-fd gauge) (values (open-regular-file "/proc/stat")))))
+         (buffer (idle-gauge-buffer gauge))
+         (count (and fd (read-file-octets fd buffer 0))))
+    (and count (parse-processor-ticks buffer count))))
+
+(defun close-idle-gauge (gauge)
+  "Close GAUGE's descriptor on /proc/stat, if open."
+  (let ((fd (shiftf (idle-gauge-stat-fd gauge) nil)))
+    (when fd
+      (close-fd fd))))
 
 (defun refresh-idle-gauge (gauge thread-count)
   "Read the processors' ticks into GAUGE again when +IDLE-SAMPLE-SECONDS+
@@ -82,7 +114,7 @@ bound while the share is measured again."
         (read-at (idle-gauge-read-at gauge)))
     (when (or (null read-at)
               (>= (- now read-at) (seconds->internal-units +idle-sample-seconds+)))
-      (multiple-value-bind (idle total) (read-processor-ticks)
+      (multiple-value-bind (idle total) (read-processor-ticks gauge)
         (let ((share (cond ((or (null idle) (zerop total)) nil)
                            ;; The first reading: the share since boot.
                            ((null read-at) (/ idle total))
@@ -134,32 +166,34 @@ handler waits, or the processors' idle time leaves room for a worker; else
         (t :decline)))
 
 (defun weigh-growth (taskmaster)
-  "Weigh the request for one more worker: ask for it, drop the request, or
-keep it to weigh again after an interval that doubles each time."
+  "Weigh the request for one more worker: ask for it; or drop the request,
+or keep it, and weigh no other before an interval that doubles each time
+the pool does not grow."
   (let ((decision (growth-decision taskmaster)))
     (with-pool-state-change (taskmaster)
       (flet ((next-weighing-in (seconds)
                (setf (growth-weighing-interval taskmaster) seconds
                      (next-growth-weighing taskmaster) (deadline-in seconds))))
-        (ecase decision
-          (:grow
-           (setf (growth-asked-p taskmaster) nil)
-           (next-weighing-in 0)
-           (cond ((plusp (unreleased-resting-count taskmaster))
-                  (release-resting-worker taskmaster))
-                 ((pool-may-grow-p taskmaster)
-                  (incf (pending-thread-count taskmaster)))))
-          (:drop
-           (setf (growth-asked-p taskmaster) nil))
-          ((:decline :later)
-           (when (eq decision :decline)
-             (incf (growth-declined-count taskmaster)))
-           (next-weighing-in (min +last-growth-weighing-interval+
-                                  (max +first-growth-weighing-interval+
-                                       (* 2 (growth-weighing-interval taskmaster)))))))))))
+        (if (eq decision :grow)
+            (progn
+              (setf (growth-asked-p taskmaster) nil)
+              (next-weighing-in 0)
+              (cond ((plusp (unreleased-resting-count taskmaster))
+                     (release-resting-worker taskmaster))
+                    ((pool-may-grow-p taskmaster)
+                     (incf (pending-thread-count taskmaster)))))
+            (progn
+              (ecase decision
+                (:drop (setf (growth-asked-p taskmaster) nil))
+                (:decline (incf (growth-declined-count taskmaster)))
+                (:later))
+              (next-weighing-in (min +last-growth-weighing-interval+
+                                     (max +first-growth-weighing-interval+
+                                          (* 2 (growth-weighing-interval taskmaster)))))))))))
 
-(defun growth-weighing-due (taskmaster)
-  "The internal real time at which the thread-making thread weighs growth
-next, or NIL when no worker asked for it.  POOL-LOCK held."
-  (and (growth-asked-p taskmaster)
+(defun growth-wakeup-time (taskmaster now)
+  "The internal real time at which the thread-making thread looks at growth
+next: when a worker has asked for one more worker or the next weighing is
+still to come, the time of that weighing; else NIL.  POOL-LOCK held."
+  (and (or (growth-asked-p taskmaster) (growth-weighing-scheduled-p taskmaster now))
        (next-growth-weighing taskmaster)))

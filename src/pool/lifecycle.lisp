@@ -29,7 +29,8 @@ PARALLEL-ACCEPTOR catches ACCEPTOR-ABANDONED."
           (pending-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster)
           (growth-asked-p taskmaster) nil
           (released-count taskmaster) 0
-          (growth-weighing-interval taskmaster) 0)))
+          (growth-weighing-interval taskmaster) 0
+          (next-growth-weighing taskmaster) 0)))
 
 (defun taskmaster-engine-for (taskmaster acceptor)
   "TASKMASTER's engine, made the first time it is asked for."

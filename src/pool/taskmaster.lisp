@@ -322,5 +322,11 @@ thread below MAX-THREAD-COUNT.  POOL-LOCK held."
              (< (+ (pool-thread-count taskmaster) (pending-thread-count taskmaster))
                 max-threads)))))
 
+(defun growth-weighing-scheduled-p (taskmaster now)
+  "True when the thread-making thread weighs growth at a time after NOW
+(internal real time) if a worker has asked by then: a worker that asks
+before that time need not wake it.  POOL-LOCK held."
+  (> (next-growth-weighing taskmaster) now))
+
 (defun waiting-worker-count (taskmaster)
   (pool-gauges-waiting (pool-gauges taskmaster)))

@@ -57,27 +57,32 @@ system refuses a thread, log it and pause, so as not to spin on it."
 :MAINTAIN once MAINTENANCE-DEADLINE (internal real time) has passed."
   (with-pool-lock (taskmaster)
     (loop
-      (let ((now (get-internal-real-time))
-            (growth-due (growth-weighing-due taskmaster)))
+      (let* ((now (get-internal-real-time))
+             (growth-at (growth-wakeup-time taskmaster now)))
         (cond ((shutting-down-p taskmaster) (return :exit))
               ((plusp (pending-thread-count taskmaster)) (return :make-thread))
-              ((and growth-due (>= now growth-due)) (return :weigh-growth))
+              ((and growth-at (>= now growth-at)) (return :weigh-growth))
               ((>= now maintenance-deadline) (return :maintain))
               (t (bt:condition-wait (maker-wakeup taskmaster) (pool-lock taskmaster)
                                     :timeout (seconds-until (min maintenance-deadline
-                                                                 (or growth-due maintenance-deadline))))))))))
+                                                                 (or growth-at maintenance-deadline))))))))))
 
 (defun run-thread-maker (taskmaster)
   (let* ((engine (taskmaster-engine taskmaster))
          (interval (engine-maintenance-interval engine))
          (maintenance-deadline (deadline-in interval)))
-    (loop
-      (ecase (next-maker-task taskmaster maintenance-deadline)
-        (:exit (return))
-        (:make-thread (make-worker-thread taskmaster))
-        (:weigh-growth (weigh-growth taskmaster))
-        (:maintain (engine-maintain engine)
-                   (setf maintenance-deadline (deadline-in interval)))))))
+    (unwind-protect
+         (loop
+           (ecase (next-maker-task taskmaster maintenance-deadline)
+             (:exit (return))
+             (:make-thread (make-worker-thread taskmaster))
+             (:weigh-growth (weigh-growth taskmaster))
+             (:maintain (engine-maintain engine)
+                        (setf maintenance-deadline (deadline-in interval)))))
+      ;; The gauge is this thread's; the next START's maker makes another.
+      (let ((gauge (shiftf (pool-idle-gauge taskmaster) nil)))
+        (when gauge
+          (close-idle-gauge gauge))))))
 
 (defun start-thread-maker (taskmaster)
   (setf (thread-maker taskmaster)

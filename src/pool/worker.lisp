@@ -197,7 +197,11 @@ NEW-CONNECTION-P.  Its next JOIN-WAITING counts which."
 (defun note-woken (taskmaster worker)
   "WORKER left its wait with something to serve.  If it was the last one
 waiting, ask the thread-making thread to weigh another worker
-(pool/growth.lisp)."
+(pool/growth.lisp), waking it only when no weighing is scheduled: one
+that is will see the request.  Under load the last waiting worker is woken
+hundreds of times a second; a thread-making thread woken, and weighing,
+for each cost 0.003 to 0.005 futex calls a request at a 0 ms handler
+(bench/profiles/2026-11-26-growth-weighing.txt)."
   (when (and (= 1 (without-interrupts
                     (setf (worker-state worker) :serving)
                     (atomic-decrement (pool-gauges-waiting (pool-gauges taskmaster)))))
@@ -210,7 +214,8 @@ waiting, ask the thread-making thread to weigh another worker
                  (zerop (pending-thread-count taskmaster))
                  (pool-may-grow-p taskmaster))
         (setf (growth-asked-p taskmaster) t)
-        (notify-thread-maker taskmaster)))))
+        (unless (growth-weighing-scheduled-p taskmaster (get-internal-real-time))
+          (notify-thread-maker taskmaster))))))
 
 (defun note-stopped-waiting (taskmaster worker)
   "WORKER left its wait because the pool stops."

@@ -297,15 +297,18 @@ Host header (3.2.2)."
           (host (setf (cdr host) authority) headers)
           (t (append headers (list (cons :host authority)))))))
 
-(defstruct (request-head (:constructor make-request-head (headers method uri protocol)))
-  "A parsed request head: what Hunchentoot's GET-REQUEST-DATA returns."
+(defstruct (request-head (:constructor make-request-head ()))
+  "A parsed request head: what Hunchentoot's GET-REQUEST-DATA returns.  Each
+worker fills one from request to request (PARSE-REQUEST-HEAD), so that a
+request conses no head of its own; a head kept past its request's turn, as
+an arriving body keeps it, is a copy."
   ;; The headers alist, names as PARSE-HEADER-LINES makes them.
-  (headers '() :type list :read-only t)
+  (headers '() :type list)
   ;; The method's keyword, or an uninterned symbol for a method no code names.
-  (method nil :type symbol :read-only t)
-  (uri "" :type string :read-only t)
+  (method nil :type symbol)
+  (uri "" :type string)
   ;; :HTTP/1.1 or :HTTP/1.0.
-  (protocol nil :type keyword :read-only t))
+  (protocol nil :type symbol))
 
 (defmethod print-object ((head request-head) stream)
   ;; Backtraces and logs print it: its method and header count tell which
@@ -313,20 +316,25 @@ Host header (3.2.2)."
   (print-unreadable-object (head stream :type t :identity t)
     (format stream "~A, ~D headers" (request-head-method head) (length (request-head-headers head)))))
 
-(defun parse-request-head (buffer request-start request-line-end head-end &optional scratch)
-  "Parse the complete head that SCAN-REQUEST-HEAD found into a REQUEST-HEAD,
-spelling names in SCRATCH (see NAME-SCRATCH).
-Signals REQUEST-HEAD-REFUSED with 400 for a malformed head, an ambiguous
-body length or a missing or invalid Host, 501 for a transfer coding other
-than chunked or an over-long method, 505 for another HTTP version.  An
-invalid Range header is left out."
+(defun parse-request-head (buffer request-start request-line-end head-end &optional scratch head)
+  "Parse the complete head that SCAN-REQUEST-HEAD found into HEAD, a
+REQUEST-HEAD, or a new one when HEAD is NIL, spelling names in SCRATCH
+(see NAME-SCRATCH); the head.  Signals REQUEST-HEAD-REFUSED with 400 for a
+malformed head, an ambiguous body length or a missing or invalid Host, 501
+for a transfer coding other than chunked or an over-long method, 505 for
+another HTTP version.  An invalid Range header is left out."
   (declare (type octets buffer) (type fixnum request-start request-line-end head-end))
   (multiple-value-bind (method uri protocol)
       (parse-request-line buffer request-start (line-end-before-lf buffer request-start request-line-end) scratch)
     (let* ((blank-line-start (if (= (aref buffer (- head-end 2)) +cr+) (- head-end 2) (1- head-end)))
-           (headers (parse-header-lines buffer (1+ request-line-end) blank-line-start scratch)))
+           (headers (parse-header-lines buffer (1+ request-line-end) blank-line-start scratch))
+           (head (or head (make-request-head))))
       (check-message-framing headers protocol)
-      (make-request-head (without-invalid-range (check-host headers uri protocol)) method uri protocol))))
+      (setf (request-head-headers head) (without-invalid-range (check-host headers uri protocol))
+            (request-head-method head) method
+            (request-head-uri head) uri
+            (request-head-protocol head) protocol)
+      head)))
 
 (defun head-refused-status (buffer request-start request-line-end head-end)
   "The status the complete head in BUFFER is refused with, or NIL when it

@@ -155,10 +155,12 @@ read past a chunked body's end as the next request's."
   "Make the body of HEAD (LENGTH octets, or chunked as FRAMING follows),
 whose first octets lie in the buffer from HEAD-END below END, CONNECTION's
 ARRIVING-BODY, after a 100 Continue if its client waits for one; then read
-what has arrived of it (ANSWER-ARRIVED-BODY)."
+what has arrived of it (ANSWER-ARRIVED-BODY).  The body keeps a copy of
+HEAD, the worker's, which the next request it serves fills."
   (when (expects-continue-p head)
     (send-continue-reply (connection-stream connection)))
-  (start-arriving-body (serving-set serving) connection head length framing (serving-buffer serving) head-end end)
+  (start-arriving-body (serving-set serving) connection (copy-request-head head) length framing
+                       (serving-buffer serving) head-end end)
   (answer-arrived-body serving connection))
 
 (defun body-still-arriving-p (headers head-end end)
@@ -189,7 +191,7 @@ END octets having arrived in all, or begin reading its body."
   (let* ((buffer (serving-buffer serving))
          (acceptor (serving-acceptor serving))
          (head (handler-case (parse-request-head buffer request-start request-line-end head-end
-                                                 (serving-name-scratch serving))
+                                                 (serving-name-scratch serving) (serving-request-head serving))
                  (request-head-refused (condition)
                    (return-from answer-head (values :refuse (refused-status condition))))))
          (headers (request-head-headers head))

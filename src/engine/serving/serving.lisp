@@ -22,6 +22,8 @@
   (reply-head (make-reply-head) :type reply-head :read-only t)
   ;; The string header names are spelled in (MAKE-NAME-SCRATCH).
   (name-scratch (make-name-scratch) :read-only t)
+  ;; The REQUEST-HEAD each request's head is parsed into.
+  (request-head (make-request-head) :type request-head :read-only t)
   ;; The engine's OBJECT-CONSTRUCTORS of this run.
   (constructors nil :type object-constructors :read-only t)
   ;; What the Keep-Alive header says: timeout= the whole seconds a
