@@ -147,33 +147,33 @@ after; NIL when perf could not count."
            ;; perf has opened it yet or not.
            (with-open-file (commands control :direction :io :if-exists :append)
              (with-open-file (acknowledgements acknowledgement :direction :io :if-exists :append)
-              (usocket:with-client-socket (socket counters "127.0.0.1" port)
-               (let ((counter (ignore-errors
-                               (uiop:launch-program (perf-counting-command pid (+ seconds 10) output
-                                                                           control acknowledgement)
-                                                    :output nil :error-output nil)))
-                     (before nil)
-                     (after nil))
-                 (when counter
-                   (let ((load (uiop:launch-program
-                                (list "wrk" "-t2" (format nil "-c~D" (getf workload :connections))
-                                      (format nil "-d~Ds" (+ seconds 2))
-                                      (format nil "http://127.0.0.1:~D~A" port (workload-path workload)))
-                                :output nil :error-output nil)))
-                     ;; wrk's connections are open and busy a second in.
-                     (sleep 1)
-                     (when (perf-command commands acknowledgements "enable")
-                       (setf before (read-lisp-counters counters))
-                       (sleep seconds)
-                       (when (perf-command commands acknowledgements "disable")
-                         (setf after (read-lisp-counters counters))))
-                     (uiop:wait-process load)
-                     ;; perf writes its counts on SIGINT, not on TERM.
-                     (uiop:run-program (list "kill" "-INT" (princ-to-string (uiop:process-info-pid counter)))
-                                       :ignore-error-status t)
-                     (uiop:wait-process counter)
-                     (let ((counts (read-perf-counts output)))
-                       (and counts before after (values counts before after)))))))))
+               (usocket:with-client-socket (socket counters "127.0.0.1" port)
+                 (let ((counter (ignore-errors
+                                 (uiop:launch-program (perf-counting-command pid (+ seconds 10) output
+                                                                             control acknowledgement)
+                                                      :output nil :error-output nil)))
+                       (before nil)
+                       (after nil))
+                   (when counter
+                     (let ((load (uiop:launch-program
+                                  (list "wrk" "-t2" (format nil "-c~D" (getf workload :connections))
+                                        (format nil "-d~Ds" (+ seconds 2))
+                                        (format nil "http://127.0.0.1:~D~A" port (workload-path workload)))
+                                  :output nil :error-output nil)))
+                       ;; wrk's connections are open and busy a second in.
+                       (sleep 1)
+                       (when (perf-command commands acknowledgements "enable")
+                         (setf before (read-lisp-counters counters))
+                         (sleep seconds)
+                         (when (perf-command commands acknowledgements "disable")
+                           (setf after (read-lisp-counters counters))))
+                       (uiop:wait-process load)
+                       ;; perf writes its counts on SIGINT, not on TERM.
+                       (uiop:run-program (list "kill" "-INT" (princ-to-string (uiop:process-info-pid counter)))
+                                         :ignore-error-status t)
+                       (uiop:wait-process counter)
+                       (let ((counts (read-perf-counts output)))
+                         (and counts before after (values counts before after)))))))))
         (uiop:delete-file-if-exists control)
         (uiop:delete-file-if-exists acknowledgement)))))
 
