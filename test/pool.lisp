@@ -474,6 +474,33 @@ THREAD-COUNT workers."
           "peak ~D threads" (stats server :peak-threads))
       (is (plusp (stats server :growth-declined))))))
 
+(test growth.a-weighing-that-does-not-grow-schedules-the-next
+  ;; A dropped request for growth (a worker waits by the time it is
+  ;; weighed) puts the next weighing off by an interval that doubles, as a
+  ;; declined one does; the thread-making thread wakes for that weighing
+  ;; whether or not a worker asked, so that a worker asking meanwhile need
+  ;; not wake it (NOTE-WOKEN).
+  (let* ((taskmaster (make-instance 'recycling-taskmaster))
+         (gauges (hunchentoot-recycling-taskmaster::pool-gauges taskmaster)))
+    (flet ((weigh ()
+             (setf (hunchentoot-recycling-taskmaster::growth-asked-p taskmaster) t
+                   (hunchentoot-recycling-taskmaster::pool-gauges-waiting gauges) 1)
+             (hunchentoot-recycling-taskmaster::weigh-growth taskmaster)
+             (hunchentoot-recycling-taskmaster::growth-weighing-interval taskmaster))
+           (wakeup-time (now)
+             (hunchentoot-recycling-taskmaster::growth-wakeup-time taskmaster now)))
+      (is (= 1/1000 (weigh)) "the first interval")
+      (is (not (hunchentoot-recycling-taskmaster::growth-asked-p taskmaster)) "the request dropped")
+      (is (= 2/1000 (weigh)) "doubled")
+      (let ((scheduled (hunchentoot-recycling-taskmaster::next-growth-weighing taskmaster))
+            (now (get-internal-real-time)))
+        (is (hunchentoot-recycling-taskmaster::growth-weighing-scheduled-p taskmaster (1- scheduled)))
+        (is (eql scheduled (wakeup-time (1- scheduled))) "the thread wakes for it, nobody asking")
+        (is (null (wakeup-time (1+ scheduled))) "once past, nothing to wake for unasked")
+        (setf (hunchentoot-recycling-taskmaster::growth-asked-p taskmaster) t)
+        (is (eql scheduled (wakeup-time (1+ scheduled))) "a request marked meanwhile is due")
+        (is (<= now scheduled))))))
+
 (test growth.a-handler-waits-once-a-request-has-taken-a-millisecond
   ;; Growth releases a resting worker at once only while a handler waits
   ;; (pool/growth.lisp): a worker inside its request for 1 ms or more.
