@@ -234,14 +234,17 @@ and the most threads seen."
 
 ;;; wrk.
 
+(defun wrk-command (port workload seconds &key (scheme "http"))
+  "The wrk command loading SCHEME://127.0.0.1:PORT with WORKLOAD for SECONDS."
+  (destructuring-bind (&key close connections &allow-other-keys) workload
+    (append (list "wrk" "-t2" (format nil "-c~D" connections) (format nil "-d~Ds" seconds) "--latency")
+            (when close (list "-H" "Connection: close"))
+            (list (format nil "~A://127.0.0.1:~D~A" scheme port (workload-path workload))))))
+
 (defun wrk (port workload seconds &key (scheme "http"))
   "Run wrk on SCHEME://127.0.0.1:PORT for WORKLOAD's path for SECONDS; its whole output."
-  (destructuring-bind (&key close connections &allow-other-keys) workload
-    (uiop:run-program (append (list "wrk" "-t2" (format nil "-c~D" connections)
-                                    (format nil "-d~Ds" seconds) "--latency")
-                              (when close (list "-H" "Connection: close"))
-                              (list (format nil "~A://127.0.0.1:~D~A" scheme port (workload-path workload))))
-                      :output :string :error-output :output :ignore-error-status t)))
+  (uiop:run-program (wrk-command port workload seconds :scheme scheme)
+                    :output :string :error-output :output :ignore-error-status t))
 
 (defun latency-ms (text percentile)
   (let ((match (nth-value 1 (cl-ppcre:scan-to-strings

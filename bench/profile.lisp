@@ -7,10 +7,7 @@
 
 (defun run-wrk (port connections seconds keep-alive-p)
   "Run wrk against /yo on PORT; its output."
-  (uiop:run-program (append (list "wrk" "-t2" (format nil "-c~D" connections) (format nil "-d~Ds" seconds))
-                            (unless keep-alive-p (list "-H" "Connection: close"))
-                            (list (format nil "http://127.0.0.1:~D/yo" port)))
-                    :output :string :ignore-error-status t))
+  (wrk port (list :delay-ms 0 :close (not keep-alive-p) :connections connections) seconds))
 
 (defun run-profile (&key (connections 100) (seconds 10) (keep-alive-p t) (mode :cpu) (max-samples 40000))
   "Serve /yo with a PARALLEL-EASY-ACCEPTOR in this process, load it with wrk
@@ -155,11 +152,8 @@ after; NIL when perf could not count."
                        (before nil)
                        (after nil))
                    (when counter
-                     (let ((load (uiop:launch-program
-                                  (list "wrk" "-t2" (format nil "-c~D" (getf workload :connections))
-                                        (format nil "-d~Ds" (+ seconds 2))
-                                        (format nil "http://127.0.0.1:~D~A" port (workload-path workload)))
-                                  :output nil :error-output nil)))
+                     (let ((load (uiop:launch-program (wrk-command port workload (+ seconds 2))
+                                                      :output nil :error-output nil)))
                        ;; wrk's connections are open and busy a second in.
                        (sleep 1)
                        (when (perf-command commands acknowledgements "enable")
