@@ -167,6 +167,7 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "slow-clients")
                (:file "https")
                (:file "profile")
+               (:file "perf-profile")
                (:file "scale")
                (:file "chunked-body")
                (:file "sessions")

@@ -127,49 +127,65 @@ count of calls per request by a thousandth."
       (read-sequence body stream)
       (parse-lisp-counters body))))
 
+(defun perf-failure (output errors)
+  "Why perf counted nothing, from its CSV OUTPUT and its ERRORS file: the
+first line of either that says so, or NIL."
+  (flet ((first-line-with (file test)
+           (find-if test (ignore-errors (uiop:read-file-lines file)))))
+    (or (first-line-with output (lambda (line) (search "<not" line)))
+        (first-line-with errors (lambda (line) (plusp (length (string-trim " " line))))))))
+
 (defun count-with-perf (pid port workload seconds)
   "Load ours (process PID, on PORT) with WORKLOAD for SECONDS and a second
 each side, and count its system calls with perf over the middle SECONDS,
 reading its counters (LISP-COUNTERS) as counting starts and as it ends.
 The counts as READ-PERF-COUNTS gives them and the counters before and
-after; NIL when perf could not count."
+after; when perf could not count, NIL and why."
   (uiop:with-temporary-file (:pathname output)
-    (let* ((folder (uiop:pathname-directory-pathname output))
-           (control (merge-pathnames (format nil "perf-control-~D" pid) folder))
-           (acknowledgement (merge-pathnames (format nil "perf-acknowledgement-~D" pid) folder)))
-      (make-fifo control)
-      (make-fifo acknowledgement)
-      (unwind-protect
-           ;; Opened for reading and writing, a fifo opens at once, whether
-           ;; perf has opened it yet or not.
-           (with-open-file (commands control :direction :io :if-exists :append)
-             (with-open-file (acknowledgements acknowledgement :direction :io :if-exists :append)
-               (usocket:with-client-socket (socket counters "127.0.0.1" port)
-                 (let ((counter (ignore-errors
-                                 (uiop:launch-program (perf-counting-command pid (+ seconds 10) output
-                                                                             control acknowledgement)
-                                                      :output nil :error-output nil)))
-                       (before nil)
-                       (after nil))
-                   (when counter
-                     (let ((load (uiop:launch-program (wrk-command port workload (+ seconds 2))
-                                                      :output nil :error-output nil)))
-                       ;; wrk's connections are open and busy a second in.
-                       (sleep 1)
-                       (when (perf-command commands acknowledgements "enable")
-                         (setf before (read-lisp-counters counters))
-                         (sleep seconds)
-                         (when (perf-command commands acknowledgements "disable")
-                           (setf after (read-lisp-counters counters))))
-                       (uiop:wait-process load)
-                       ;; perf writes its counts on SIGINT, not on TERM.
-                       (uiop:run-program (list "kill" "-INT" (princ-to-string (uiop:process-info-pid counter)))
-                                         :ignore-error-status t)
-                       (uiop:wait-process counter)
-                       (let ((counts (read-perf-counts output)))
-                         (and counts before after (values counts before after)))))))))
-        (uiop:delete-file-if-exists control)
-        (uiop:delete-file-if-exists acknowledgement)))))
+    (uiop:with-temporary-file (:pathname errors)
+      (let* ((folder (uiop:pathname-directory-pathname output))
+             (control (merge-pathnames (format nil "perf-control-~D" pid) folder))
+             (acknowledgement (merge-pathnames (format nil "perf-acknowledgement-~D" pid) folder)))
+        (make-fifo control)
+        (make-fifo acknowledgement)
+        (unwind-protect
+             ;; Opened for reading and writing, a fifo opens at once, whether
+             ;; perf has opened it yet or not.
+             (with-open-file (commands control :direction :io :if-exists :append)
+               (with-open-file (acknowledgements acknowledgement :direction :io :if-exists :append)
+                 (usocket:with-client-socket (socket counters "127.0.0.1" port)
+                   (let ((counter (ignore-errors
+                                   (uiop:launch-program (perf-counting-command pid (+ seconds 10) output
+                                                                               control acknowledgement)
+                                                        :output nil :error-output errors
+                                                        :if-error-output-exists :supersede)))
+                         (before nil)
+                         (after nil))
+                     (if (null counter)
+                         (values nil "perf did not start")
+                         (let ((load (uiop:launch-program (wrk-command port workload (+ seconds 2))
+                                                          :output nil :error-output nil)))
+                           ;; wrk's connections are open and busy a second in.
+                           (sleep 1)
+                           (when (perf-command commands acknowledgements "enable")
+                             (setf before (read-lisp-counters counters))
+                             (sleep seconds)
+                             (when (perf-command commands acknowledgements "disable")
+                               (setf after (read-lisp-counters counters))))
+                           (uiop:wait-process load)
+                           ;; perf writes its counts on SIGINT, not on TERM.
+                           (uiop:run-program (list "kill" "-INT" (princ-to-string (uiop:process-info-pid counter)))
+                                             :ignore-error-status t)
+                           (uiop:wait-process counter)
+                           (let ((counts (read-perf-counts output)))
+                             (cond ((and counts before after) (values counts before after))
+                                   ((null before) (values nil (format nil "perf did not acknowledge enable~@[: ~A~]"
+                                                                      (perf-failure output errors))))
+                                   ((null after) (values nil (format nil "perf did not acknowledge disable~@[: ~A~]"
+                                                                     (perf-failure output errors))))
+                                   (t (values nil (or (perf-failure output errors) "perf wrote no counts")))))))))))
+          (uiop:delete-file-if-exists control)
+          (uiop:delete-file-if-exists acknowledgement))))))
 
 (defun count-with-strace (pid port workload seconds)
   "As COUNT-WITH-PERF, with strace over the whole load of SECONDS; NIL when
@@ -187,6 +203,22 @@ strace could not count."
           (let ((counts (read-strace-counts output)))
             (and counts before after (values counts before after))))))))
 
+(defparameter *perf-tries* 2
+  "How many times MEASURE-REQUEST-COSTS has perf count before it falls back
+to strace: perf now and then counts nothing (2 runs in some 20 on
+2026-11-26), and strace's count is not the same measurement.")
+
+(defun count-with-perf-tries (pid port workload seconds)
+  "COUNT-WITH-PERF's values, tried up to *PERF-TRIES* times, each failure
+printed with its reason; NIL when no try counted."
+  (loop repeat *perf-tries*
+        do (multiple-value-bind (counts before after)
+               (handler-case (count-with-perf pid port workload seconds)
+                 (error (condition) (values nil (princ-to-string condition))))
+             (if counts
+                 (return (values counts before after))
+                 (format t "~&perf could not count: ~A~%" before)))))
+
 (defun measure-request-costs (core &key (connections 100) (seconds 3))
   "Ours in a process of its own from CORE, /yo kept alive over CONNECTIONS
 connections for SECONDS: as a plist, the requests served, the system calls
@@ -201,11 +233,7 @@ values for the calls when neither perf nor strace could count."
          (when (wait-until-serving port)
            (wrk port workload 2)
            (let ((tool :perf))
-             (multiple-value-bind (counts before after)
-                 (handler-case (count-with-perf pid port workload seconds)
-                   (error (condition)
-                     (format t "~&perf could not count: ~A~%" condition)
-                     nil))
+             (multiple-value-bind (counts before after) (count-with-perf-tries pid port workload seconds)
                (unless counts
                  (setf tool :strace)
                  (multiple-value-setq (counts before after) (count-with-strace pid port workload seconds)))

@@ -4,8 +4,9 @@
 ;;;; GET /bench-stats with counters the driver reads around a measurement,
 ;;;; GET /gc after a full garbage collection;
 ;;;; Hunchentoot's and ours answer GET /megabytes?n=N with N MiB of octets,
-;;;; POST /body-length with the length of the body they read, and ours GET
-;;;; /pool-stats with TASKMASTER-STATISTICS.
+;;;; POST /body-length with the length of the body they read and GET
+;;;; /bench-code-map with where each compiled function lies (CODE-MAP), and
+;;;; ours GET /pool-stats with TASKMASTER-STATISTICS.
 
 (defpackage #:hunchentoot-recycling-taskmaster-bench
   (:use #:cl)
@@ -13,7 +14,7 @@
                     (#:ws #:hunchentoot-recycling-websocket))
   (:export #:serve #:run-benchmarks #:run-comparison #:run-connection-load #:run-slow-readers-load #:run-slow-bodies-load
            #:run-tls-handshakes-load
-           #:run-profile #:run-scale #:run-chunked-body-cost #:run-sessions #:run-https #:run-websockets))
+           #:run-profile #:run-perf-profile #:run-scale #:run-chunked-body-cost #:run-sessions #:run-https #:run-websockets))
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
@@ -99,6 +100,36 @@ by every reply, as a handler returning a cached page shares it.")
 (ht:define-easy-handler (bench-stats :uri "/bench-stats") ()
   (setf (ht:content-type*) "text/plain")
   (stats-text))
+
+(defun code-map ()
+  "Where each compiled function of this process starts, its length in
+octets and its name, one line each (hex, hex, the name on one line): what
+perf's samples of this process are named by (bench/perf-profile.lisp).
+Code compiled at run time (PCL's dispatch functions, the request
+constructors) is in it too, hence asked of the running server."
+  (let ((entries '()))
+    (sb-sys:without-gcing
+      (sb-vm::map-allocated-objects
+       (lambda (code type size)
+         (when (= type sb-vm:code-header-widetag)
+           (let ((end (+ (logandc2 (sb-kernel:get-lisp-obj-address code) sb-vm:lowtag-mask) size)))
+             (loop for (function next) on (loop for index below (sb-kernel:code-n-entries code)
+                                                collect (sb-kernel:%code-entry-point code index))
+                   for start = (sb-sys:sap-int (sb-vm::simple-fun-entry-sap function))
+                   do (push (list start
+                                  (- (if next (sb-sys:sap-int (sb-vm::simple-fun-entry-sap next)) end) start)
+                                  (sb-kernel:%simple-fun-name function))
+                            entries)))))
+       :all))
+    (with-output-to-string (out)
+      (let ((*print-pretty* nil))
+        (loop for (start length name) in entries
+              do (format out "~X ~X ~A~%" start length
+                         (substitute #\Space #\Newline (prin1-to-string name))))))))
+
+(ht:define-easy-handler (bench-code-map :uri "/bench-code-map") ()
+  (setf (ht:content-type*) "text/plain")
+  (code-map))
 
 (defvar *acceptor* nil "The Hunchentoot acceptor this process serves with, if any.")
 
