@@ -2,7 +2,7 @@
 # make test    the test suite (FiveAM), ending with "N passed, M failed";
 #              HUNCHENTOOT=dir runs it on the Hunchentoot in dir (for example
 #              ../shared/vendor/hunchentoot-1.3.1) instead of Debian's
-# make bench   the benchmark matrix, 3 rounds of 5 s a cell; make bench-quick: 1 round of 2 s, 100 connections
+# make bench   the benchmark matrix, 5 rounds of 5 s a cell; make bench-quick: 1 round of 2 s, 100 connections
 # make bench-connections   10,000 kept-alive connections for 60 s
 # make bench-slowloris     1,000 slowloris connections for 60 s
 # make bench-slow-readers  1,000 clients asking 1 MiB and reading 1 KiB a second for 60 s

@@ -477,7 +477,7 @@ and push each result on MEASURED under (server name, workload)."
                    (gethash (list (getf server :name) workload) measured)))))
 
 (defun run-benchmarks (&key quick core (servers *servers*) (peers t) (workloads (workloads quick))
-                            (rounds (if quick 1 3)) (seconds (if quick 2 5))
+                            (rounds (if quick 1 5)) (seconds (if quick 2 5))
                             (output-root "bench/results/") (run-name (utc-timestamp)))
   "Measure every server of SERVERS on every workload, ROUNDS times in turn
 (round by round, so that a slow minute of the machine hits every server),
