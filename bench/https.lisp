@@ -57,7 +57,7 @@ server also listens in plain HTTP on another port, as SERVE does."
   (+ (getf cell :connect-errors 0) (getf cell :read-errors 0) (getf cell :write-errors 0)
      (getf cell :timeout-errors 0) (getf cell :non-2xx 0)))
 
-(defun run-https (&key (seconds 5) (rounds 3) core)
+(defun run-https (&key (seconds 5) (rounds 5) core)
   "Print requests/s over TLS of every server of *HTTPS-SERVERS* on each of
 *HTTPS-WORKLOADS*, ROUNDS rounds side by side, the median of each and its
 ratio to nginx.  True when ours answered every request of every round
