@@ -8,16 +8,6 @@
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
-(defun process-cpu-seconds (pid)
-  "User and system CPU seconds the process PID has used, from /proc/PID/stat."
-  (let* ((stat (uiop:read-file-string (format nil "/proc/~D/stat" pid)))
-         ;; The fields after the command, which is in parentheses and may hold spaces.
-         (fields (cl-ppcre:split "\\s+" (subseq stat (+ 2 (position #\) stat :from-end t)))))
-         (ticks-per-second (parse-integer (string-trim '(#\Newline) (uiop:run-program '("getconf" "CLK_TCK")
-                                                                                       :output :string)))))
-    ;; utime and stime are fields 14 and 15 of stat(5); FIELDS starts at field 3.
-    (/ (+ (parse-integer (nth 11 fields)) (parse-integer (nth 12 fields))) ticks-per-second)))
-
 (defun one-octet-chunks-request (data-octets)
   "POST /body-length with a body of DATA-OCTETS one-octet chunks, as octets."
   (let* ((head (format nil "POST /body-length HTTP/1.1~C~CHost: localhost~C~CTransfer-Encoding: chunked~C~C~

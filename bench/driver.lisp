@@ -205,6 +205,19 @@ measures adds its peak thread count."
   (let ((text (http-get port "/bench-stats")))
     (and text (parse-lisp-counters text))))
 
+(defun process-cpu-seconds (pid)
+  "CPU seconds the process PID has used, all its threads, user and system
+time together; second and third values, each apart.  From /proc/PID/stat."
+  (let* ((stat (uiop:read-file-string (format nil "/proc/~D/stat" pid)))
+         ;; The fields after the command, which is in parentheses and may hold spaces.
+         (fields (cl-ppcre:split "\\s+" (subseq stat (+ 2 (position #\) stat :from-end t)))))
+         (ticks-per-second (parse-integer (uiop:run-program '("getconf" "CLK_TCK") :output :string)
+                                          :junk-allowed t))
+         ;; utime and stime are fields 14 and 15 of proc(5)'s stat; FIELDS starts at field 3.
+         (user (/ (parse-integer (nth 11 fields)) ticks-per-second))
+         (system (/ (parse-integer (nth 12 fields)) ticks-per-second)))
+    (values (+ user system) user system)))
+
 (defun process-thread-count (pid)
   "The threads of process PID now, from /proc/PID/status, or NIL."
   (ignore-errors

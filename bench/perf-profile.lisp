@@ -117,27 +117,19 @@ callers of the first CALLERS of them."
                        repeat 4
                        do (format t "    ~6D  ~A~%" count (short-name caller))))))))
 
-(defun process-cpu-ticks (pid)
-  "User and system clock ticks process PID has run, all its threads."
-  (let* ((stat (uiop:read-file-string (format nil "/proc/~D/stat" pid)))
-         ;; From the state on, after the command name, which may hold spaces.
-         (fields (uiop:split-string (subseq stat (+ 2 (position #\) stat :from-end t))) :separator " ")))
-    ;; utime and stime, fields 14 and 15 of proc(5)'s stat, are the 12th and 13th from the state.
-    (values (parse-integer (nth 11 fields)) (parse-integer (nth 12 fields)))))
-
 (defun request-times (pid port seconds)
   "Requests/s of ours (process PID, on PORT) over SECONDS, and the user and
 system time a request in microseconds, all its threads."
-  (let ((ticks-per-second (parse-integer (shell-line "getconf CLK_TCK"))))
-    (multiple-value-bind (user-before system-before) (process-cpu-ticks pid)
-      (let ((before (lisp-counters port)))
-        (sleep seconds)
-        (let ((served (max 1 (- (getf (lisp-counters port) :requests) (getf before :requests)))))
-          (multiple-value-bind (user-after system-after) (process-cpu-ticks pid)
-            (flet ((microseconds (ticks) (/ (* 1d6 ticks) ticks-per-second served)))
-              (values (round served seconds)
-                      (microseconds (- user-after user-before))
-                      (microseconds (- system-after system-before))))))))))
+  (multiple-value-bind (total user-before system-before) (process-cpu-seconds pid)
+    (declare (ignore total))
+    (let ((before (lisp-counters port)))
+      (sleep seconds)
+      (let ((served (max 1 (- (getf (lisp-counters port) :requests) (getf before :requests)))))
+        (multiple-value-bind (total user-after system-after) (process-cpu-seconds pid)
+          (declare (ignore total))
+          (values (round served seconds)
+                  (/ (* 1d6 (- user-after user-before)) served)
+                  (/ (* 1d6 (- system-after system-before)) served)))))))
 
 (defun run-perf-profile (&key core (connections 1000) (delay-ms 0) (seconds 4) (top 40) (callers 12))
   "Ours from CORE in a process of its own, /yo kept alive over CONNECTIONS

@@ -212,12 +212,12 @@ to strace: perf now and then counts nothing (2 runs in some 20 on
   "COUNT-WITH-PERF's values, tried up to *PERF-TRIES* times, each failure
 printed with its reason; NIL when no try counted."
   (loop repeat *perf-tries*
-        do (multiple-value-bind (counts before after)
-               (handler-case (count-with-perf pid port workload seconds)
-                 (error (condition) (values nil (princ-to-string condition))))
-             (if counts
-                 (return (values counts before after))
-                 (format t "~&perf could not count: ~A~%" before)))))
+        do (let ((outcome (multiple-value-list
+                           (handler-case (count-with-perf pid port workload seconds)
+                             (error (condition) (values nil (princ-to-string condition)))))))
+             (if (first outcome)
+                 (return (values-list outcome))
+                 (format t "~&perf could not count: ~A~%" (second outcome))))))
 
 (defun measure-request-costs (core &key (connections 100) (seconds 3))
   "Ours in a process of its own from CORE, /yo kept alive over CONNECTIONS
