@@ -501,6 +501,22 @@ THREAD-COUNT workers."
         (is (eql scheduled (wakeup-time (1+ scheduled))) "a request marked meanwhile is due")
         (is (<= now scheduled))))))
 
+(test growth.a-request-is-kept-when-the-last-waiting-worker-left-before-it-was-dropped
+  ;; Weighed as a drop while a worker waited; that worker woken before the
+  ;; drop saw the request still marked and did not ask (NOTE-WOKEN).  The
+  ;; request stays, to be weighed again, where dropping it left new
+  ;; connections in the kernel's queue, every worker busy or resting, until
+  ;; a handler ended (once in 600 rounds of STOP.UNDER-LOAD-...).
+  (let* ((taskmaster (make-instance 'recycling-taskmaster))
+         (gauges (hunchentoot-recycling-taskmaster::pool-gauges taskmaster)))
+    (flet ((drop-with-waiting (count)
+             (setf (hunchentoot-recycling-taskmaster::growth-asked-p taskmaster) t
+                   (hunchentoot-recycling-taskmaster::pool-gauges-waiting gauges) count)
+             (list (hunchentoot-recycling-taskmaster::drop-growth-request taskmaster)
+                   (hunchentoot-recycling-taskmaster::growth-asked-p taskmaster))))
+      (is (equal '(t nil) (drop-with-waiting 1)) "a worker waits: dropped")
+      (is (equal '(nil t) (drop-with-waiting 0)) "the last one woken meanwhile: kept"))))
+
 (test growth.a-handler-waits-once-a-request-has-taken-a-millisecond
   ;; Growth releases a resting worker at once only while a handler waits
   ;; (pool/growth.lisp): a worker inside its request for 1 ms or more.

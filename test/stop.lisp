@@ -80,7 +80,8 @@ and the client threads to join."
     (dotimes (i 3)
       (push (in-thread (lambda () (http-get server "/test/held" :verify nil))) clients))
     (is (wait-until (lambda () (= 3 (stats server :in-request-threads))))
-        "three requests in flight before STOP")
+        "three requests in flight before STOP of the ~:[plain~;SSL~] acceptor; its statistics: ~S"
+        ssl-p (taskmaster-statistics server))
     (values answered unanswered clients)))
 
 (defun stop-under-load (ssl-p soft-p)

@@ -165,6 +165,21 @@ handler waits, or the processors' idle time leaves room for a worker; else
         ((take-growth-budget taskmaster) :grow)
         (t :decline)))
 
+(defun drop-growth-request (taskmaster)
+  "Forget the request for one more worker, weighed while a worker waited,
+unless the waiting count has fallen to zero since: a worker woken as the
+last waiting one asks only while no request is marked (NOTE-WOKEN), so a
+request dropped after that worker looked would leave every worker busy or
+resting, and the work ready in the engine untaken, until a handler ends.
+The mark is cleared before the count is read, as the worker reads the mark
+after its decrement: one of the two sees the other.  POOL-LOCK held.  True
+when the request was dropped."
+  (setf (growth-asked-p taskmaster) nil)
+  (memory-barrier)
+  (if (zerop (waiting-worker-count taskmaster))
+      (progn (setf (growth-asked-p taskmaster) t) nil)
+      t))
+
 (defun weigh-growth (taskmaster)
   "Weigh the request for one more worker: ask for it; or drop the request,
 or keep it, and weigh no other before an interval that doubles each time
@@ -184,7 +199,7 @@ the pool does not grow."
                      (incf (pending-thread-count taskmaster)))))
             (progn
               (ecase decision
-                (:drop (setf (growth-asked-p taskmaster) nil))
+                (:drop (drop-growth-request taskmaster))
                 (:decline (incf (growth-declined-count taskmaster)))
                 (:later))
               (next-weighing-in (min +last-growth-weighing-interval+

@@ -22,6 +22,13 @@
 ;;;;   it.
 ;;;; - Resting workers (pool/worker.lisp) wait on RESTING-WAKEUP under
 ;;;;   POOL-LOCK; their counts are the lock's.
+;;;; - GROWTH-ASKED-P is written under POOL-LOCK, but a worker that has just
+;;;;   left the waiting reads it without the lock, after its atomic
+;;;;   decrement of the waiting count (NOTE-WOKEN).  The thread-making
+;;;;   thread, dropping a request because a worker waits, clears it before
+;;;;   it reads that count again (DROP-GROWTH-REQUEST): either the worker
+;;;;   sees no request marked and asks, or the thread sees nobody waiting
+;;;;   and keeps the request.
 ;;;; - A worker's STATE is written by its own thread only.  Before each
 ;;;;   request it writes its state, then, after a memory barrier, reads
 ;;;;   SHUTTING-DOWN-P; STOP writes SHUTTING-DOWN-P under the lock and reads
