@@ -99,6 +99,36 @@ threads; then let them go, and check that each client got its 200."
              (is (equal "released" body))))
       (setf *holding-released-p* t))))
 
+(defclass thread-refusing-taskmaster (recycling-taskmaster)
+  ((refusals :initform 0 :accessor refusals
+             :documentation "How many of the next worker threads the system refuses."))
+  (:documentation "A taskmaster whose system refuses worker threads while REFUSALS is positive."))
+
+(defmethod ht:start-thread ((taskmaster thread-refusing-taskmaster) thunk &key name)
+  (if (and (plusp (refusals taskmaster)) (search "worker" name))
+      (progn (decf (refusals taskmaster))
+             (error "the system refuses a thread (test)"))
+      (call-next-method)))
+
+(test saturation.a-worker-thread-the-system-refused-is-asked-for-again
+  ;; The one worker holds a request; the next request asks for another
+  ;; worker, whose thread the system refuses once.  The pool asks again and
+  ;; the request is answered while the first is still held, where it used
+  ;; to wait for the held handler to end.
+  (setf *holding-released-p* nil)
+  (let ((taskmaster (make-instance 'thread-refusing-taskmaster :standby-thread-count 1)))
+    (with-readiness-server (server :taskmaster taskmaster)
+      (let ((held (in-thread (lambda () (http-get server "/test/hold")))))
+        (unwind-protect
+             (progn
+               (is (wait-until (lambda () (= 1 (stats server :in-request-threads)))) "the one worker held")
+               (setf (refusals taskmaster) 1)
+               (is (eql 200 (http-get server "/test/yo")) "the next request answered")
+               (is (zerop (refusals taskmaster)) "after the system refused a thread")
+               (is (= 1 (stats server :in-request-threads)) "while the first is still held"))
+          (setf *holding-released-p* t)
+          (is (eql 200 (first (funcall held)))))))))
+
 (test saturation.head-begun-before-saturation-is-queued-when-complete
   (with-readiness-server (server :queue-timeout 2 :header-timeout 5 :taskmaster (two-worker-pool))
     (with-connection (split server)

@@ -30,9 +30,13 @@
           (max (peak-thread-count taskmaster) (pool-thread-count taskmaster)))))
 
 (defun note-worker-not-made (taskmaster worker)
+  "The system refused WORKER's thread.  The request for it stands, to be
+weighed again: the worker that asked found nobody else waiting, and may be
+in a handler that blocks."
   (with-pool-state-change (taskmaster)
     (setf (pool-workers taskmaster) (delete worker (pool-workers taskmaster)))
     (decf (pool-thread-count taskmaster))
+    (setf (growth-asked-p taskmaster) t)
     (notify-pool-changed taskmaster)))
 
 (defun make-worker-thread (taskmaster)
