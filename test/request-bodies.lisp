@@ -293,7 +293,9 @@ octets has been sent, with FIRST-OCTETS of its body."
     socket))
 
 (defun body-files (directory)
-  (directory (merge-pathnames "hrt-body-*" directory)))
+  ;; Without :RESOLVE-SYMLINKS NIL, SBCL's DIRECTORY takes the truename of
+  ;; each file it lists, and signals when the server removes one meanwhile.
+  (directory (merge-pathnames "hrt-body-*" directory) :resolve-symlinks nil))
 
 (defmacro with-temporary-body-directory ((var) &body body)
   "Run BODY with HUNCHENTOOT:*TMP-DIRECTORY*, which the workers read, set to

@@ -19,7 +19,10 @@
 ;;;;   compare-and-swap that keeps them at most MAX-WAITING-THREAD-COUNT;
 ;;;;   only workers back from long requests (up to a multiple of it on
 ;;;;   kept-alive connections), or released from rest by growth, join past
-;;;;   it.
+;;;;   it.  A worker that leaves them to rest or retire does so by a
+;;;;   compare-and-swap too, which never takes the count to zero: only a
+;;;;   worker woken to serve does, and then asks for growth (NOTE-WOKEN),
+;;;;   or one leaving because the pool stops.
 ;;;; - Resting workers (pool/worker.lisp) wait on RESTING-WAKEUP under
 ;;;;   POOL-LOCK; their counts are the lock's.
 ;;;; - GROWTH-ASKED-P is written under POOL-LOCK, but a worker that has just

@@ -226,12 +226,15 @@ for each cost 0.003 to 0.005 futex calls a request at a 0 ms handler
 (defun retire-if-surplus (taskmaster worker)
   "Retire WORKER, waiting, when the pool is above standby and another worker
 still waits (the last waiting worker never retires, since growth starts
-only when a waiting worker is woken).  True when it retired."
+only when a waiting worker is woken).  WORKER leaves the waiting by a
+compare-and-swap that never takes their count below one: a worker woken
+between a look at the count and a decrement would have seen two waiting,
+not asked for growth (NOTE-WOKEN), and left nobody waiting.  True when it
+retired."
   (with-pool-state-change (taskmaster)
     (when (and (not (shutting-down-p taskmaster))
                (> (pool-thread-count taskmaster) (taskmaster-standby-thread-count taskmaster))
-               (> (waiting-worker-count taskmaster) 1))
-      (atomic-decrement (pool-gauges-waiting (pool-gauges taskmaster)))
+               (step-waiting-count taskmaster worker -1 1 :serving))
       (count-out-retiring taskmaster worker)
       t)))
 
