@@ -218,6 +218,59 @@ time together; second and third values, each apart.  From /proc/PID/stat."
          (system (/ (parse-integer (nth 12 fields)) ticks-per-second)))
     (values (+ user system) user system)))
 
+(defun child-pids (pid)
+  "The running processes that the main thread of process PID started (nginx's
+workers), from /proc/PID/task/PID/children."
+  (let ((text (ignore-errors (uiop:read-file-string (format nil "/proc/~D/task/~D/children" pid pid)))))
+    (and text (mapcar #'parse-integer (cl-ppcre:all-matches-as-strings "\\d+" text)))))
+
+(defun server-processor-seconds (pid)
+  "The user and system seconds, as two values, of the server process PID
+and the processes it started: nginx's master and its workers together."
+  (loop for process in (cons pid (child-pids pid))
+        for (nil user system) = (or (ignore-errors (multiple-value-list (process-cpu-seconds process)))
+                                    ;; A worker that ended between the listing and the reading.
+                                    '(0 0 0))
+        sum user into user-seconds
+        sum system into system-seconds
+        finally (return (values user-seconds system-seconds))))
+
+(defun client-processor-seconds ()
+  "The user and system seconds, as two values, of the children of this
+process that have ended and been waited for: around one wrk run, that run's."
+  (multiple-value-bind (ok user-microseconds system-microseconds) (sb-unix:unix-getrusage sb-unix:rusage_children)
+    (declare (ignore ok))
+    (values (/ user-microseconds 1000000) (/ system-microseconds 1000000))))
+
+(defun call-timing-processors (server-pid function)
+  "Call FUNCTION, which runs one wrk and waits for it.  FUNCTION's values,
+then the processor time it took, as a plist of seconds: the server's (the
+process SERVER-PID and its children), :SERVER-USER and :SERVER-SYSTEM, and
+wrk's, :CLIENT-USER and :CLIENT-SYSTEM.  Server and client share this
+machine's processors, so requests/s goes as one over their sum a request:
+a server can lose requests/s to the time wrk spends on its replies."
+  (multiple-value-bind (server-user server-system) (server-processor-seconds server-pid)
+    (multiple-value-bind (client-user client-system) (client-processor-seconds)
+      (let ((values (multiple-value-list (funcall function))))
+        (multiple-value-bind (server-user-after server-system-after) (server-processor-seconds server-pid)
+          (multiple-value-bind (client-user-after client-system-after) (client-processor-seconds)
+            (values-list (append values
+                                 (list (list :server-user (- server-user-after server-user)
+                                             :server-system (- server-system-after server-system)
+                                             :client-user (- client-user-after client-user)
+                                             :client-system (- client-system-after client-system)))))))))))
+
+(defun microseconds-per-request (processor-seconds requests)
+  "PROCESSOR-SECONDS (from CALL-TIMING-PROCESSORS) as microseconds a request
+over REQUESTS, as a plist of the matrix's keys; NIL values when no request
+was made."
+  (flet ((per-request (key)
+           (and requests (plusp requests) (/ (* (getf processor-seconds key) 1000000) requests))))
+    (list :server-user-us (per-request :server-user)
+          :server-system-us (per-request :server-system)
+          :client-user-us (per-request :client-user)
+          :client-system-us (per-request :client-system))))
+
 (defun process-thread-count (pid)
   "The threads of process PID now, from /proc/PID/status, or NIL."
   (ignore-errors
@@ -279,6 +332,7 @@ and the most threads seen."
                               "Socket errors: connect (\\d+), read (\\d+), write (\\d+), timeout (\\d+)"
                               text))))
     (list :requests-per-second (scan-number "Requests/sec:\\s+([\\d.]+)" text)
+          :requests (scan-number "(\\d+) requests in" text)
           :p50-ms (latency-ms text 50)
           :p99-ms (latency-ms text 99)
           :connect-errors (if errors (parse-integer (aref errors 0)) 0)
@@ -301,16 +355,19 @@ and the most threads seen."
              (list :failed "server did not answer GET /yo within 30 s")
              (let ((lisp (getf server :lisp)))
                (wrk port workload warm-seconds)
-               (let ((before (and lisp (lisp-counters port))))
-                 (multiple-value-bind (output peak-threads)
-                     (call-counting-threads (uiop:process-info-pid process)
-                                            (lambda () (wrk port workload seconds)))
+               (let ((before (and lisp (lisp-counters port)))
+                     (pid (uiop:process-info-pid process)))
+                 (multiple-value-bind (output peak-threads processor-seconds)
+                     (call-timing-processors pid (lambda ()
+                                                   (call-counting-threads pid (lambda () (wrk port workload seconds)))))
                    (let* ((after (and lisp (lisp-counters port)))
-                          (served (and before after (- (getf after :requests) (getf before :requests)))))
+                          (served (and before after (- (getf after :requests) (getf before :requests))))
+                          (cell (parse-wrk output)))
                      (with-open-file (out (concatenate 'string base ".wrk.txt") :direction :output
                                                                                  :if-exists :supersede)
                        (write-string output out))
-                     (append (parse-wrk output)
+                     (append cell
+                             (microseconds-per-request processor-seconds (getf cell :requests))
                              (list :bytes-consed-per-request
                                    (and served (plusp served)
                                         (round (- (getf after :consed) (getf before :consed)) served))
@@ -361,7 +418,8 @@ and the most threads seen."
 
 (defparameter *csv-keys*
   '(:requests-per-second :p50-ms :p99-ms :connect-errors :read-errors :write-errors
-    :timeout-errors :non-2xx :bytes-consed-per-request :peak-threads))
+    :timeout-errors :non-2xx :bytes-consed-per-request :peak-threads
+    :server-user-us :server-system-us :client-user-us :client-system-us))
 
 (defun rounds-field (cell)
   "Every round's requests/s of CELL, space-separated."
@@ -446,6 +504,25 @@ bw = ~F
                 ((null (gethash workload baseline-cells)) (format out " ~D/s |" (and value (round value))))
                 (t (format out " ~:[failed~;~:*~Ax (~D/s)~] |"
                            (and ratio (ratio-text ratio)) (and value (round value)))))))
+      (terpri out))))
+
+(defun processor-time-table (results workloads)
+  "Markdown: one row per workload, for each server the processor time a
+request of its median round, in microseconds: the server's user + system
+time, then wrk's, user and system together."
+  (with-output-to-string (out)
+    (format out "| workload |~{ ~A |~}~%|---|~{~A~}~%"
+            (mapcar (lambda (server) (getf server :name)) *servers*)
+            (mapcar (constantly "---:|") *servers*))
+    (dolist (workload workloads)
+      (format out "| ~A |" (workload-name workload))
+      (dolist (server *servers*)
+        (destructuring-bind (&key server-user-us server-system-us client-user-us client-system-us &allow-other-keys)
+            (third (find-if (lambda (result) (and (eq (first result) server) (equal (second result) workload)))
+                            results))
+          (if (and server-user-us server-system-us client-user-us client-system-us)
+              (format out " ~,1F + ~,1F, wrk ~,1F |" server-user-us server-system-us (+ client-user-us client-system-us))
+              (format out " - |"))))
       (terpri out))))
 
 (defun server-cells (results server-name)
@@ -549,6 +626,11 @@ are measured too, on the handler workloads.  QUICK: one round of 2 s cells,
             (when (plusp (hash-table-count cells))
               (format out "~%The same, as a fraction of ~A in this run:~%~%~A"
                       reference (summary-table results workloads cells)))))
+        (format out "~%Processor time a request, microseconds, in each cell's median round: the server's ~
+                     user + system time (nginx's: its master's and its workers'), then wrk's, user and ~
+                     system together.  Server and wrk share this machine's processors, so requests/s goes ~
+                     as one over their sum.~%~%~A"
+                (processor-time-table results workloads))
         (let ((missing (set-difference *peers* (available-peers))))
           (when missing
             (format out "~%Not measured (sources not in ~A): ~{~A~^, ~}.~%"
