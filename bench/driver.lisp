@@ -486,8 +486,10 @@ bw = ~F
     (uiop:run-program (list "gnuplot" script-file) :ignore-error-status t :error-output :output
                                                    :output *standard-output*)))
 
-(defun summary-table (results workloads baseline-cells)
-  "Markdown: one row per workload, each server's requests/s ratio to the baseline."
+(defun workload-table (results workloads cell-text)
+  "Markdown: one row per workload, one column per server of *SERVERS*; each
+column's text is CELL-TEXT's of the server's cell of RESULTS and the
+workload, \"-\" where the server was not measured on it."
   (with-output-to-string (out)
     (format out "| workload |~{ ~A |~}~%|---|~{~A~}~%"
             (mapcar (lambda (server) (getf server :name)) *servers*)
@@ -495,35 +497,36 @@ bw = ~F
     (dolist (workload workloads)
       (format out "| ~A |" (workload-name workload))
       (dolist (server *servers*)
-        (let* ((result (find-if (lambda (result) (and (eq (first result) server)
+        (let ((result (find-if (lambda (result) (and (eq (first result) server)
                                                       (equal (second result) workload)))
-                                results))
-               (value (getf (third result) :requests-per-second))
-               (ratio (ratio-to value (getf (gethash workload baseline-cells) :requests-per-second))))
-          (cond ((null result) (format out " - |"))
-                ((null (gethash workload baseline-cells)) (format out " ~D/s |" (and value (round value))))
-                (t (format out " ~:[failed~;~:*~Ax (~D/s)~] |"
-                           (and ratio (ratio-text ratio)) (and value (round value)))))))
+                               results)))
+          (format out " ~A |" (if result (funcall cell-text (third result) workload) "-"))))
       (terpri out))))
+
+(defun summary-table (results workloads baseline-cells)
+  "Markdown: one row per workload, each server's requests/s ratio to the baseline."
+  (workload-table results workloads
+                  (lambda (cell workload)
+                    (let* ((value (getf cell :requests-per-second))
+                           (ratio (ratio-to value (getf (gethash workload baseline-cells) :requests-per-second))))
+                      (cond ((null (gethash workload baseline-cells)) (format nil "~D/s" (and value (round value))))
+                            (ratio (format nil "~Ax (~D/s)" (ratio-text ratio) (round value)))
+                            (t "failed"))))))
 
 (defun processor-time-table (results workloads)
   "Markdown: one row per workload, for each server the processor time a
 request of its median round, in microseconds: the server's user + system
 time, then wrk's, user and system together."
-  (with-output-to-string (out)
-    (format out "| workload |~{ ~A |~}~%|---|~{~A~}~%"
-            (mapcar (lambda (server) (getf server :name)) *servers*)
-            (mapcar (constantly "---:|") *servers*))
-    (dolist (workload workloads)
-      (format out "| ~A |" (workload-name workload))
-      (dolist (server *servers*)
-        (destructuring-bind (&key server-user-us server-system-us client-user-us client-system-us &allow-other-keys)
-            (third (find-if (lambda (result) (and (eq (first result) server) (equal (second result) workload)))
-                            results))
-          (if (and server-user-us server-system-us client-user-us client-system-us)
-              (format out " ~,1F + ~,1F, wrk ~,1F |" server-user-us server-system-us (+ client-user-us client-system-us))
-              (format out " - |"))))
-      (terpri out))))
+  (workload-table results workloads
+                  (lambda (cell workload)
+                    (declare (ignore workload))
+                    (destructuring-bind (&key server-user-us server-system-us client-user-us client-system-us
+                                         &allow-other-keys)
+                        cell
+                      (if (and server-user-us server-system-us client-user-us client-system-us)
+                          (format nil "~,1F + ~,1F, wrk ~,1F" server-user-us server-system-us
+                                  (+ client-user-us client-system-us))
+                          "-")))))
 
 (defun server-cells (results server-name)
   "Workload -> the cell of the server named SERVER-NAME in RESULTS."
