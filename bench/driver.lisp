@@ -498,7 +498,7 @@ workload, \"-\" where the server was not measured on it."
       (format out "| ~A |" (workload-name workload))
       (dolist (server *servers*)
         (let ((result (find-if (lambda (result) (and (eq (first result) server)
-                                                      (equal (second result) workload)))
+                                                     (equal (second result) workload)))
                                results)))
           (format out " ~A |" (if result (funcall cell-text (third result) workload) "-"))))
       (terpri out))))
