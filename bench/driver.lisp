@@ -242,34 +242,31 @@ process that have ended and been waited for: around one wrk run, that run's."
     (declare (ignore ok))
     (values (/ user-microseconds 1000000) (/ system-microseconds 1000000))))
 
+(defun processor-seconds (server-pid)
+  "The processor time used so far, in seconds, as a list: the server's user
+and system time (the process SERVER-PID and its children), then wrk's user
+and system time (this process's children that have ended and been waited
+for)."
+  (multiple-value-call #'list (server-processor-seconds server-pid) (client-processor-seconds)))
+
 (defun call-timing-processors (server-pid function)
   "Call FUNCTION, which runs one wrk and waits for it.  FUNCTION's values,
-then the processor time it took, as a plist of seconds: the server's (the
-process SERVER-PID and its children), :SERVER-USER and :SERVER-SYSTEM, and
-wrk's, :CLIENT-USER and :CLIENT-SYSTEM.  Server and client share this
-machine's processors, so requests/s goes as one over their sum a request:
-a server can lose requests/s to the time wrk spends on its replies."
-  (multiple-value-bind (server-user server-system) (server-processor-seconds server-pid)
-    (multiple-value-bind (client-user client-system) (client-processor-seconds)
-      (let ((values (multiple-value-list (funcall function))))
-        (multiple-value-bind (server-user-after server-system-after) (server-processor-seconds server-pid)
-          (multiple-value-bind (client-user-after client-system-after) (client-processor-seconds)
-            (values-list (append values
-                                 (list (list :server-user (- server-user-after server-user)
-                                             :server-system (- server-system-after server-system)
-                                             :client-user (- client-user-after client-user)
-                                             :client-system (- client-system-after client-system)))))))))))
+then the processor time it took, a list in the order of PROCESSOR-SECONDS.
+Server and client share this machine's processors, so requests/s goes as
+one over their sum a request: a server can lose requests/s to the time wrk
+spends on its replies."
+  (let* ((before (processor-seconds server-pid))
+         (values (multiple-value-list (funcall function))))
+    (values-list (append values (list (mapcar #'- (processor-seconds server-pid) before))))))
 
 (defun microseconds-per-request (processor-seconds requests)
   "PROCESSOR-SECONDS (from CALL-TIMING-PROCESSORS) as microseconds a request
 over REQUESTS, as a plist of the matrix's keys; NIL values when no request
 was made."
-  (flet ((per-request (key)
-           (and requests (plusp requests) (/ (* (getf processor-seconds key) 1000000) requests))))
-    (list :server-user-us (per-request :server-user)
-          :server-system-us (per-request :server-system)
-          :client-user-us (per-request :client-user)
-          :client-system-us (per-request :client-system))))
+  (loop for key in '(:server-user-us :server-system-us :client-user-us :client-system-us)
+        for seconds in processor-seconds
+        collect key
+        collect (and requests (plusp requests) (/ (* seconds 1000000) requests))))
 
 (defun process-thread-count (pid)
   "The threads of process PID now, from /proc/PID/status, or NIL."
