@@ -131,6 +131,7 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (:file "descriptor-limit")
                (:file "session-values")
                (:file "sessions")
+               (:file "database-pool")
                (:file "postgresql-sessions")
                (:file "websocket-frames")
                (:file "websockets")

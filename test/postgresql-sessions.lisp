@@ -85,22 +85,40 @@ lost or repeated otherwise."
                       (setf last count refused 0))))
           finally (return t))))
 
+(defun open-descriptor-count ()
+  "The file descriptors this process has open, or NIL when it could open
+no more to count them."
+  (let ((directory (ignore-errors (sb-posix:opendir "/proc/self/fd"))))
+    (when directory
+      (unwind-protect
+           (loop for entry = (sb-posix:readdir directory)
+                 until (sb-alien:null-alien entry)
+                 count (not (member (sb-posix:dirent-name entry) '("." "..") :test #'string=)))
+        (sb-posix:closedir directory)))))
+
 (defun outage-under-load (server cluster fault seconds)
   "Run two clients using their sessions and two not using them against
 SERVER while CLUSTER's server suffers FAULT (:stop or :pause) for SECONDS;
 the replies of each (newest first) once sessions work again, or NIL when
-they do not within 30 s."
+they do not within 30 s.  Second value, the most descriptors the process
+had open during the fault beyond those it had before (NIL when it ran
+out)."
   (let* ((lock (bt:make-lock)) (stop (list nil))
          (clients (loop for plain-p in '(nil nil t t)
                         collect (let ((jar (make-instance 'drakma:cookie-jar)) (results (list '())))
                                   (http-get server "/test/session-count" :cookie-jar jar)
-                                  (list results (in-thread (session-client server jar plain-p results lock stop)))))))
+                                  (list results (in-thread (session-client server jar plain-p results lock stop))))))
+         (descriptors-before (open-descriptor-count))
+         (most-descriptors 0))
     (sleep 0.5)
     (ecase fault
       (:stop (postgresql-cluster:stop-postgresql-server cluster))
       (:pause (postgresql-cluster:pause-postgresql-server cluster)))
     (let ((faulted (get-internal-real-time)))
-      (wait-until (lambda () (> (- (get-internal-real-time) faulted) (* seconds internal-time-units-per-second)))
+      (wait-until (lambda ()
+                    (let ((count (open-descriptor-count)))
+                      (setf most-descriptors (and most-descriptors count (max most-descriptors count))))
+                    (> (- (get-internal-real-time) faulted) (* seconds internal-time-units-per-second)))
                   :timeout (+ seconds 1)))
     (ecase fault
       (:stop (postgresql-cluster:start-postgresql-server cluster))
@@ -112,15 +130,23 @@ they do not within 30 s."
                                  :timeout 30 :interval 0.1)))
       (setf (car stop) t)
       (mapc (lambda (client) (funcall (second client))) clients)
-      (and recovered (mapcar (lambda (client) (car (first client))) clients)))))
+      (values (and recovered (mapcar (lambda (client) (car (first client))) clients))
+              (and most-descriptors (- most-descriptors descriptors-before))))))
 
-(defun check-outage-replies (replies-of-clients timeout)
-  "Check the replies OUTAGE-UNDER-LOAD gathered, from a server whose
-session store timeout is TIMEOUT.  A request using its session calls the
-store twice, its lookup and its write, each bounded by TIMEOUT: a lookup
-answered just before its deadline (the database back) and a write cut at
-its own is refused after twice TIMEOUT (CI saw 2.01 s at 1 s)."
+(defun check-outage-replies (replies-of-clients extra-descriptors timeout)
+  "Check the replies and descriptors OUTAGE-UNDER-LOAD gathered, from a
+server whose session store timeout is TIMEOUT.  A request using its
+session calls the store twice, its lookup and its write, each bounded by
+TIMEOUT: a lookup answered just before its deadline (the database back)
+and a write cut at its own is refused after twice TIMEOUT (CI saw 2.01 s
+at 1 s).  Each failed attempt to connect leaves cl-postgres's socket to the
+garbage collector: an attempt for each of the thousands of requests
+refused held 2,455 descriptors at once, the pool's one attempt every
+0.1 s held 27 (a 10 s stop, 2026-11-27)."
   (is (not (null replies-of-clients)) "sessions did not work again within 30 s")
+  (is (and extra-descriptors (< extra-descriptors 300))
+      "the outage held ~:[every descriptor the process could open~;~:*~D descriptors more~]"
+      extra-descriptors)
   (loop for replies in replies-of-clients
         for plain-p in '(nil nil t t)
         do (let ((statuses (remove-duplicates (mapcar #'first replies))))
@@ -141,7 +167,7 @@ its own is refused after twice TIMEOUT (CI saw 2.01 s at 1 s)."
       (with-thread-leak-check ()
         (with-server (server (store-server (cluster-store cluster) :session-store-timeout 1
                                                                    :message-log-destination log))
-          (check-outage-replies (outage-under-load server cluster :stop 10) 1)
+          (multiple-value-call #'check-outage-replies (outage-under-load server cluster :stop 10) 1)
           (is (wait-until (lambda () (zerop (stats server :in-request-threads))))
               "a worker is still in a request")))
       (let ((begun (log-lines-matching log "is unavailable"))
@@ -153,7 +179,7 @@ its own is refused after twice TIMEOUT (CI saw 2.01 s at 1 s)."
   (with-postgresql-cluster (cluster)
     (with-thread-leak-check ()
       (with-server (server (store-server (cluster-store cluster) :session-store-timeout 1))
-        (check-outage-replies (outage-under-load server cluster :pause 4) 1)
+        (multiple-value-call #'check-outage-replies (outage-under-load server cluster :pause 4) 1)
         (is (wait-until (lambda () (zerop (stats server :in-request-threads)))))))))
 
 ;;; Two demo processes on one port, directly and behind nginx.

@@ -85,9 +85,13 @@ down; the store's tables are made on the first connection if missing."
 
 (defun call-with-session-database (store function)
   "FUNCTION called with a connection of STORE's pool; its values.  The
-database's failures signal SESSION-STORE-UNAVAILABLE."
-  (handler-case (call-with-database-connection (postgresql-store-pool store) function)
-    ((or cl-postgres:database-error stream-error sb-bsd-sockets:socket-error) (condition)
+database's failures signal SESSION-STORE-UNAVAILABLE.  cl-postgres's
+warnings are muffled: it warns of each socket it could not close cleanly
+after the server went away, a failure the call reports already, each in a
+message-log entry of several lines."
+  (handler-case (handler-bind ((warning #'muffle-warning))
+                  (call-with-database-connection (postgresql-store-pool store) function))
+    ((or cl-postgres:database-error stream-error sb-bsd-sockets:socket-error database-unreachable) (condition)
       (error 'session-store-unavailable
              :store store
              :reason (substitute #\Space #\Newline (princ-to-string condition))))))
