@@ -140,9 +140,9 @@ session calls the store twice, its lookup and its write, each bounded by
 TIMEOUT: a lookup answered just before its deadline (the database back)
 and a write cut at its own is refused after twice TIMEOUT (CI saw 2.01 s
 at 1 s).  Each failed attempt to connect leaves cl-postgres's socket to the
-garbage collector: an attempt for each of the thousands of requests
-refused held 2,455 descriptors at once, the pool's one attempt every
-0.1 s held 27 (a 10 s stop, 2026-11-27)."
+garbage collector: with an attempt for each request refused, the process
+held up to 2,455 descriptors in a 10 s stop; with the pool's one attempt
+every 0.1 s, 27 (2026-11-27)."
   (is (not (null replies-of-clients)) "sessions did not work again within 30 s")
   (is (and extra-descriptors (< extra-descriptors 300))
       "the outage held ~:[every descriptor the process could open~;~:*~D descriptors more~]"

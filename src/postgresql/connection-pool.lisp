@@ -34,7 +34,7 @@
   ((failure :initarg :failure :reader database-unreachable-failure
             :documentation "The condition the pool's last attempt to connect failed with."))
   (:report (lambda (condition stream)
-             (format stream "its last attempt to connect failed (~A), and the next is not due yet"
+             (format stream "the pool's last attempt to connect failed (~A); the next is not due yet"
                      (substitute #\Space #\Newline (princ-to-string (database-unreachable-failure condition))))))
   (:documentation "Signalled by a call of a DATABASE-POOL that needs a new
 connection while the pool holds its attempts to connect back: the last one
