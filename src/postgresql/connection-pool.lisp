@@ -40,7 +40,7 @@
 connection while the pool holds its attempts to connect back: the last one
 failed, and another is under way or not due yet."))
 
-(defstruct (database-pool (:constructor make-database-pool (connect max-size &optional (reconnect-interval 1/10))))
+(defstruct (database-pool (:constructor make-database-pool (connect max-size &optional reconnect-interval)))
   "The connections of one process to one database."
   ;; A function of no arguments returning a new open cl-postgres connection,
   ;; ready for the statements of the pool's user.
