@@ -35,7 +35,7 @@
             :documentation "The condition the pool's last attempt to connect failed with."))
   (:report (lambda (condition stream)
              (format stream "the pool's last attempt to connect failed (~A); the next is not due yet"
-                     (substitute #\Space #\Newline (princ-to-string (database-unreachable-failure condition))))))
+                     (database-unreachable-failure condition))))
   (:documentation "Signalled by a call of a DATABASE-POOL that needs a new
 connection while the pool holds its attempts to connect back: the last one
 failed, and another is under way or not due yet."))
