@@ -22,8 +22,9 @@
 
 (hunchentoot:define-easy-handler (stats :uri "/stats") ()
   (setf (hunchentoot:content-type*) "text/plain")
-  (format nil "~{~(~A~): ~A~%~}"
-          (hunchentoot-recycling-taskmaster:taskmaster-statistics hunchentoot:*acceptor*)))
+  (format nil "~{~(~A~): ~A~%~}heap-bytes: ~D~%dynamic-space-bytes: ~D~%"
+          (hunchentoot-recycling-taskmaster:taskmaster-statistics hunchentoot:*acceptor*)
+          (sb-kernel:dynamic-usage) (sb-ext:dynamic-space-size)))
 
 (hunchentoot:define-easy-handler (metrics :uri "/metrics") ()
   (setf (hunchentoot:content-type*) "text/plain; version=0.0.4")

@@ -38,15 +38,24 @@ in-process sessions."
 
 ;;; Which session a request presents.
 
+(defun ascii-digit-p (char)
+  (char<= #\0 char #\9))
+
+(defun hex-digit-p (char)
+  (or (ascii-digit-p char) (char<= #\a char #\f) (char<= #\A char #\F)))
+
 (defun parse-session-identifier (identifier)
   "The session id (an integer) and session string of the cookie value
 IDENTIFIER, \"ID:STRING\" as HUNCHENTOOT:SESSION-COOKIE-VALUE makes it, or
-NIL when it is not of that form."
+NIL when it cannot be one: the id at most 40 ASCII digits, the string (an
+MD5 in hex, as Hunchentoot makes it) at most 128 hex digits.  So a forged
+cookie is told at once, and no client's bytes reach a session store."
   (let ((colon (and (stringp identifier) (position #\: identifier))))
     (when (and colon
                (<= 1 colon 40)
-               (< (1+ colon) (length identifier))
-               (every #'digit-char-p (subseq identifier 0 colon)))
+               (<= 1 (- (length identifier) colon 1) 128)
+               (every #'ascii-digit-p (subseq identifier 0 colon))
+               (every #'hex-digit-p (subseq identifier (1+ colon))))
       (values (parse-integer identifier :end colon)
               (subseq identifier (1+ colon))))))
 

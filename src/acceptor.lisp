@@ -59,6 +59,15 @@ ACCEPTOR pings it."))
   (:documentation "Seconds a websocket client may send nothing, pongs
 included, before ACCEPTOR closes it with 1001."))
 
+(defgeneric acceptor-websocket-message-timeout (acceptor)
+  (:documentation "Seconds a websocket message may take from its first
+octet to its last before ACCEPTOR closes its client with 1008."))
+
+(defgeneric acceptor-memory-budget (acceptor)
+  (:documentation "The octets ACCEPTOR's engine may hold on behalf of
+clients, or NIL when it shares the process's budget, a quarter of the
+dynamic space."))
+
 (defgeneric acceptor-session-store (acceptor)
   (:documentation "The SESSION-STORE keeping ACCEPTOR's sessions, or NIL when
 they are Hunchentoot's own, in the process."))
@@ -169,6 +178,30 @@ proxies keep an idle websocket open.")
     :documentation "Seconds a websocket client may send nothing, not even
 the pong to a ping, before it is closed with 1001 (Going Away).  A client
 that answers pings stays open however long it is idle.")
+   (websocket-message-timeout
+    :initarg :websocket-message-timeout :reader acceptor-websocket-message-timeout
+    :documentation "Seconds a websocket message may take to arrive whole,
+from its first octet to its last, its frames together; a client still
+sending one then is closed with 1008, however it trickles.")
+   (memory-budget
+    :initarg :memory-budget :reader acceptor-memory-budget
+    :documentation "The octets the engine may hold on behalf of clients:
+what waits for a client that reads slowly (the engine's copies of the
+rest of a reply, websocket frames), websocket messages and request heads
+that have partly arrived, request bodies kept in memory.  NIL (the
+default): the budget every acceptor of the process shares, a quarter of
+SB-EXT:DYNAMIC-SPACE-SIZE.  A buffer that would pass it is not made: the
+websocket that needed it is closed 1013 (Try Again Later), a request body
+goes to its file; while the copies and heads counted as they came pass
+it, new requests get 503.  Until use falls below three quarters of it, the parked
+connections holding the most are closed (websockets with 1008).  Logged
+once an episode, counted in TASKMASTER-STATISTICS.")
+   (own-listen-socket
+    :initform nil :accessor acceptor-own-listen-socket
+    :documentation "The listening socket this acceptor's START-LISTENING
+method opened for the current run, or NIL: a socket that reached it
+otherwise (:LISTEN-FD, an application's own START-LISTENING method) is
+never shut down, for another process may listen on it too.")
    (session-store
     :initarg :session-store :reader acceptor-session-store
     :documentation "Where the sessions of Hunchentoot's session API are kept:
@@ -198,6 +231,8 @@ not give in time is answered 503 when its handler uses the session."))
    :max-websocket-queue-bytes (* 1024 1024)
    :websocket-ping-interval 30
    :websocket-timeout 75
+   :websocket-message-timeout 60
+   :memory-budget nil
    :session-store nil
    :session-store-timeout 2
    ;; Deferred accepting keeps a connection in the kernel's queue of
@@ -226,7 +261,8 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
                                    (:queue-timeout ,(acceptor-queue-timeout acceptor))
                                    (:session-store-timeout ,(acceptor-session-store-timeout acceptor))
                                    (:websocket-ping-interval ,(acceptor-websocket-ping-interval acceptor))
-                                   (:websocket-timeout ,(acceptor-websocket-timeout acceptor)))
+                                   (:websocket-timeout ,(acceptor-websocket-timeout acceptor))
+                                   (:websocket-message-timeout ,(acceptor-websocket-message-timeout acceptor)))
         unless (and (realp seconds) (plusp seconds))
           do (error 'invalid-acceptor-configuration
                     :initarg initarg :value seconds
@@ -265,6 +301,11 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
           do (error 'invalid-acceptor-configuration
                     :initarg initarg :value bytes
                     :reason "must be a positive integer"))
+  (let ((bytes (acceptor-memory-budget acceptor)))
+    (unless (or (null bytes) (and (integerp bytes) (<= (* 1024 1024) bytes)))
+      (error 'invalid-acceptor-configuration
+             :initarg :memory-budget :value bytes
+             :reason "must be NIL or an integer of at least 1048576")))
   (let ((store (acceptor-session-store acceptor)))
     (unless (typep store '(or null session-store))
       (error 'invalid-acceptor-configuration
@@ -286,60 +327,3 @@ Takes the same :SSL-CERTIFICATE-FILE, :SSL-PRIVATEKEY-FILE and
                                       hunchentoot:easy-ssl-acceptor static-document-root)
   ()
   (:documentation "HUNCHENTOOT:EASY-SSL-ACCEPTOR served by a RECYCLING-TASKMASTER."))
-
-;;; Listening.
-
-(defmethod hunchentoot:start-listening ((acceptor parallel-acceptor))
-  "Serve the inherited :LISTEN-FD, or listen with SO_REUSEPORT when
-:REUSE-PORT is true; otherwise listen as Hunchentoot does."
-  (let ((fd (acceptor-listen-fd acceptor)))
-    (cond (fd
-           (unless (listening-descriptor-p fd)
-             (error 'invalid-acceptor-configuration
-                    :initarg :listen-fd :value fd
-                    :reason "is not a socket that listens"))
-           (setf (acceptor-listen-socket acceptor) (adopt-listening-descriptor fd)))
-          ((acceptor-reuse-port-p acceptor)
-           (setf (acceptor-listen-socket acceptor)
-                 (listen-on (listen-address-vector (hunchentoot:acceptor-address acceptor))
-                            (hunchentoot:acceptor-port acceptor)
-                            (hunchentoot:acceptor-listen-backlog acceptor)
-                            :reuse-port t)))
-          (t (call-next-method))))
-  (when (acceptor-defer-accept-p acceptor)
-    ;; Where the kernel refuses it, connections are handed over at once,
-    ;; as without it: nothing else changes.
-    (defer-accepting-until-data (socket-file-descriptor (acceptor-listen-socket acceptor))
-                                (ceiling (acceptor-header-timeout acceptor))))
-  (values))
-
-(defun systemd-listen-fd ()
-  "The listening descriptor systemd's socket activation (or
-systemd-socket-activate, or any supervisor following its protocol) passed
-to this process -- 3, when LISTEN_PID is this process and LISTEN_FDS at
-least 1 -- else NIL.  Give it as :LISTEN-FD.  Only the first descriptor
-passed is taken."
-  (let ((listen-pid (uiop:getenv "LISTEN_PID"))
-        (listen-fds (uiop:getenv "LISTEN_FDS")))
-    (and listen-pid listen-fds
-         (eql (parse-integer listen-pid :junk-allowed t) (process-id))
-         (let ((count (parse-integer listen-fds :junk-allowed t)))
-           (and count (<= 1 count)))
-         3)))
-
-(defun listen-address-vector (address)
-  "The octets of the address ADDRESS (text, a host name, or NIL for every
-IPv4 address) names."
-  (cond ((null address) (vector 0 0 0 0))
-        ((find #\: address) (usocket:ipv6-host-to-vector address))
-        ((every (lambda (char) (or (digit-char-p char) (char= char #\.))) address)
-         (usocket:dotted-quad-to-vector-quad address))
-        (t (usocket:get-host-by-name address))))
-
-(defun release-listen-socket (acceptor)
-  "Close ACCEPTOR's listening socket, unless it was inherited: that one stays
-open and listening (and non-blocking: another acceptor may share it)."
-  (let ((socket (shiftf (acceptor-listen-socket acceptor) nil)))
-    (when (and socket (not (acceptor-listen-fd acceptor)))
-      (ignore-errors (usocket:socket-close socket)))))
-

@@ -38,6 +38,15 @@
      "Octets sent on websockets, frame heads included.")
     (:websocket-closes :by-code "websocket_closes_total"
      "Websockets closed, by close code: an alist from the code to its count, 1006 for a client gone without a close frame, 0 for codes not listed.")
+    (:memory-budget-bytes :gauge "memory_budget_bytes"
+     "The octets the engine may hold on behalf of clients (MEMORY-BUDGET; the process's, shared, unless the acceptor has its own).")
+    (:memory-held-bytes :gauge "memory_held_bytes"
+     "The octets held now: websocket frames and the engine's copies of replies waiting for their clients, partly arrived messages and heads, bodies in memory.")
+    (:memory-peak-bytes :gauge "memory_peak_bytes" "The most octets held at once.")
+    (:memory-refusals :counter "memory_refusals_total"
+     "Buffers, requests (503) and websocket sends or messages (1013) refused for want of room in the budget.")
+    (:memory-relief-closes :counter "memory_relief_closes_total"
+     "Parked connections closed, the ones holding the most first, to bring the budget back under three quarters.")
     (:connections-accepted :counter "connections_accepted_total" "Connections accepted.")
     (:keep-alive-timeouts :counter "keep_alive_timeouts_total"
      "Kept-alive connections closed after KEEP-ALIVE-TIMEOUT idle seconds.")

@@ -14,11 +14,22 @@ serves the websocket.  A request none answers is dispatched as any other
 request (a 404 from an easy acceptor).")
 
 (defclass ws:websocket-resource ()
-  ((clients
-    :initform '() :reader ws:clients
-    :documentation "The clients whose websockets are open on this resource,
-a list never changed in place: a thread may loop over it while clients
-come and go.")
+  ((client-numbers
+    :initform (make-hash-table :test 'eq) :reader resource-client-numbers
+    :documentation "Each client whose websocket is open on this resource,
+to the number it was given when it came (later ones higher): a client
+comes and goes in constant time, however many there are.")
+   (next-client-number
+    :initform 0
+    :documentation "The number the next client comes with.")
+   (clients-snapshot
+    :initform '()
+    :documentation "The list CLIENTS returns, made when it is first asked
+for after a client came or went; :STALE until then.")
+   (clients-lock
+    :initform (bt:make-lock "websocket resource clients") :reader resource-clients-lock
+    :documentation "Held while a client comes or goes and while the
+snapshot is made; never around a call out.")
    (client-class
     :initarg :client-class :reader resource-client-class
     :documentation "The class of the WEBSOCKET-CLIENTs made for this
@@ -60,17 +71,37 @@ request as an initarg (:USER-AGENT ...), which a subclass may take."))
 
 (defmethod print-object ((resource ws:websocket-resource) stream)
   (print-unreadable-object (resource stream :type t :identity t)
-    (format stream "~D client~:P" (length (ws:clients resource)))))
+    (format stream "~D client~:P" (hash-table-count (resource-client-numbers resource)))))
+
+(defgeneric ws:clients (resource)
+  (:documentation "The clients whose websockets are open on RESOURCE,
+newest first: a list never changed in place, so that a thread may loop
+over it while clients come and go.")
+  (:method ((resource ws:websocket-resource))
+    (let ((snapshot (slot-value resource 'clients-snapshot)))
+      (if (listp snapshot)
+          snapshot
+          (bt:with-lock-held ((resource-clients-lock resource))
+            (let ((snapshot (slot-value resource 'clients-snapshot)))
+              (if (listp snapshot)
+                  snapshot
+                  (setf (slot-value resource 'clients-snapshot)
+                        (mapcar #'cdr (sort (loop for client being the hash-keys of (resource-client-numbers resource)
+                                                    using (hash-value number)
+                                                  collect (cons number client))
+                                            #'> :key #'car))))))))))
 
 (defun add-resource-client (resource client)
   "Make CLIENT one of RESOURCE's CLIENTS."
-  (loop for old = (slot-value resource 'clients)
-        until (compare-and-swap (slot-value resource 'clients) old (cons client old))))
+  (bt:with-lock-held ((resource-clients-lock resource))
+    (setf (gethash client (resource-client-numbers resource)) (incf (slot-value resource 'next-client-number))
+          (slot-value resource 'clients-snapshot) :stale)))
 
 (defun remove-resource-client (resource client)
   "CLIENT is no longer one of RESOURCE's CLIENTS."
-  (loop for old = (slot-value resource 'clients)
-        until (compare-and-swap (slot-value resource 'clients) old (remove client old :count 1))))
+  (bt:with-lock-held ((resource-clients-lock resource))
+    (remhash client (resource-client-numbers resource))
+    (setf (slot-value resource 'clients-snapshot) :stale)))
 
 (defun find-websocket-resource (request)
   "The resource the first function of *WEBSOCKET-DISPATCH-TABLE* returns for

@@ -16,34 +16,96 @@ close.  When another thread holds it, that thread sends before parking."
       (unless (eq (park-websocket websocket) t)
         (close-connection set connection)))))
 
-(defun send-frame-to-client (client opcode payload)
-  "Send CLIENT a frame of OPCODE carrying PAYLOAD.  True when it is sent or
-waits to be; NIL when CLIENT is closing or closed, or the frame does not
-fit what may wait for it (the client is then closed with 1008)."
+(defvar *last-message-frame* nil
+  "The frame of the last message sent, as (MESSAGE . COUNTED-OCTETS),
+holding it once: a send of the same MESSAGE object, its content unchanged,
+shares that frame instead of making another, so that a broadcast costs
+its message once however many clients it goes to.")
+
+(defun message-payload-length (opcode message)
+  (if (= opcode +text-opcode+) (utf-8-length message) (length message)))
+
+(defun make-message-frame (opcode message budget)
+  "A frame of OPCODE carrying MESSAGE (a simple string for text, octets
+for binary) as COUNTED-OCTETS held once, taken from BUDGET before it is
+made; NIL when BUDGET has no room."
+  (let* ((length (message-payload-length opcode message))
+         (frame (make-counted-octets budget (+ (frame-head-length length) length))))
+    (when frame
+      (let* ((octets (counted-octets-octets frame))
+             (start (write-frame-head octets opcode length)))
+        (if (= opcode +text-opcode+)
+            (encode-utf-8-into message octets start)
+            (replace octets message :start1 start))))
+    frame))
+
+(defun frame-carries-p (frame opcode message)
+  "True when FRAME, COUNTED-OCTETS, is the frame of OPCODE carrying MESSAGE as it is now."
+  (let* ((octets (counted-octets-octets frame))
+         (length (length octets)))
+    (and (>= length 2)
+         (= (logand (aref octets 0) #x0F) opcode)
+         (let ((start (- length (message-payload-length opcode message))))
+           (and (= start (frame-head-length (- length start)))
+                (if (= opcode +text-opcode+)
+                    (utf-8-encodes-p message octets start)
+                    (not (mismatch octets message :start1 start))))))))
+
+(defun message-frame (opcode message budget)
+  "The frame of OPCODE carrying MESSAGE as COUNTED-OCTETS held once for the
+caller: the last message's frame when MESSAGE is that message unchanged,
+else a new one from BUDGET; NIL when BUDGET has no room."
+  (let ((last *last-message-frame*))
+    (if (and last (eq (car last) message)
+             (frame-carries-p (cdr last) opcode message)
+             (hold-counted-octets (cdr last)))
+        (cdr last)
+        (let ((frame (make-message-frame opcode message budget)))
+          (when (and frame (hold-counted-octets frame))
+            (let ((old (loop for old = *last-message-frame*
+                             until (compare-and-swap (symbol-value '*last-message-frame*) old (cons message frame))
+                             finally (return old))))
+              (when old
+                (let-go-of-counted-octets (cdr old)))))
+          frame))))
+
+(defun send-message-to-client (client opcode message)
+  "Send CLIENT a frame of OPCODE carrying MESSAGE (a simple string for
+text, octets for binary).  True when it is sent or waits to be; NIL when
+CLIENT is closing or closed, or the frame does not fit what may wait for it
+or the memory budget (the client is then closed, with 1008 or 1013)."
   (let ((websocket (client-websocket client)))
-    (when websocket
-      (let ((offered (offer-websocket-frame websocket (frame-octets opcode payload))))
+    (when (and websocket (eq (websocket-state websocket) :open))
+      (let* ((frame (message-frame opcode message (readiness-set-memory-budget (websocket-set websocket))))
+             (offered (if frame
+                          (offer-websocket-frame websocket frame)
+                          (refuse-websocket-send websocket 1013))))
+        (when frame
+          ;; The queue holds it now, if it took it.
+          (let-go-of-counted-octets frame))
         (when offered
           (atomic-increment (connection-counters-websocket-messages-out (websocket-counters websocket))))
         ;; Not for a send dropped because the websocket is closing: parking
         ;; it again would put off the end of its wait for the close.
-        (when (or offered (websocket-overflowed-p websocket))
+        (when (or offered (websocket-refusal-code websocket))
           (serve-websocket-output websocket))
         offered))))
 
 (defun ws:send-text-message (client message)
   "Send CLIENT the text MESSAGE, a string, from any thread, without
 waiting.  True when it is sent or waits for the client's socket to take
-it; NIL when CLIENT is closing or closed, or when the octets waiting for it
+it; NIL when CLIENT is closing or closed, when the octets waiting for it
 would pass the acceptor's :MAX-WEBSOCKET-QUEUE-BYTES (then CLIENT is
-closed with 1008)."
+closed with 1008), or when the acceptor's memory budget has no room for
+the frame (then CLIENT is closed with 1013).  Sending one string to many
+clients, as a broadcast does, encodes it once: they share its frame."
   (check-type message string)
-  (send-frame-to-client client +text-opcode+ (string-utf-8-octets message)))
+  (send-message-to-client client +text-opcode+ (if (simple-string-p message) message (coerce message 'simple-string))))
 
 (defun ws:send-binary-message (client octets)
   "Send CLIENT the binary message OCTETS, a vector of octets, as
 SEND-TEXT-MESSAGE sends text."
-  (send-frame-to-client client +binary-opcode+ (coerce octets 'octets)))
+  (send-message-to-client client +binary-opcode+ (if (typep octets 'octets) octets (coerce octets 'octets))))
 
 (defun ws:send-ping (client &optional (payload #()))
   "Send CLIENT a ping carrying PAYLOAD (at most 125 octets).  The engine
@@ -51,7 +113,7 @@ pings silent clients by itself (:WEBSOCKET-PING-INTERVAL)."
   (let ((octets (coerce payload 'octets)))
     (assert (<= (length octets) +max-control-payload-bytes+) (payload)
             "A ping carries at most ~D octets." +max-control-payload-bytes+)
-    (send-frame-to-client client +ping-opcode+ octets)))
+    (send-message-to-client client +ping-opcode+ octets)))
 
 (defun ws:close-connection (client &key (status 1000) (reason ""))
   "Close CLIENT's websocket with STATUS, a close code, and REASON, from any

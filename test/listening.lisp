@@ -179,27 +179,56 @@ connection; its output goes to OUTPUT-FILE."
           (ignore-errors (usocket:socket-close socket))))
     (error () nil)))
 
+(defun check-restarts-lose-no-request (port start-one)
+  "Serve 2,000 requests from 20 clients on PORT while the acceptor
+START-ONE starts is restarted 4 times: the next one started, then the old
+one stopped softly.  Check that every request was answered 200."
+  (let* ((serving (funcall start-one))
+         (clients (loop repeat 20
+                        collect (in-thread (lambda ()
+                                             (loop repeat 100
+                                                   count (eql 200 (get-yo-on-new-connection port))))))))
+    (dotimes (restart 4)
+      (sleep 0.3)
+      (let ((next (funcall start-one)))
+        (ht:stop serving :soft t)
+        (setf serving next)))
+    (let ((answered (reduce #'+ clients :key (lambda (client) (first (funcall client))))))
+      (is (= 2000 answered) "~D of 2,000 requests answered 200 across 4 restarts" answered))
+    (ht:stop serving :soft t)))
+
+(defmacro with-listening-socket ((fd port) &body body)
+  "Run BODY with FD and PORT a listening socket's descriptor and port, closed afterwards."
+  (let ((socket (gensym "SOCKET")))
+    `(let* ((,socket (usocket:socket-listen "127.0.0.1" 0 :reuse-address t :backlog 1024
+                                                          :element-type '(unsigned-byte 8)))
+            (,fd (listening-fd ,socket))
+            (,port (usocket:get-local-port ,socket)))
+       (unwind-protect (progn ,@body)
+         (usocket:socket-close ,socket)))))
+
 (test listening.restart-on-an-inherited-socket-loses-no-request
-  (let* ((socket (usocket:socket-listen "127.0.0.1" 0 :reuse-address t :backlog 1024
-                                                      :element-type '(unsigned-byte 8)))
-         (fd (listening-fd socket))
-         (port (usocket:get-local-port socket)))
-    (unwind-protect
-         (with-thread-leak-check ()
-           (flet ((start-one () (ht:start (make-server 'parallel-easy-acceptor :listen-fd fd))))
-             (let* ((serving (start-one))
-                    (clients (loop repeat 20
-                                   collect (in-thread (lambda ()
-                                                        (loop repeat 100
-                                                              count (eql 200 (get-yo-on-new-connection port))))))))
-               ;; Four restarts under the load: the new acceptor starts on the
-               ;; socket, then the old one stops softly.
-               (dotimes (restart 4)
-                 (sleep 0.3)
-                 (let ((next (start-one)))
-                   (ht:stop serving :soft t)
-                   (setf serving next)))
-               (let ((answered (reduce #'+ clients :key (lambda (client) (first (funcall client))))))
-                 (is (= 2000 answered) "~D of 2,000 requests answered 200 across 4 restarts" answered))
-               (ht:stop serving :soft t))))
-      (usocket:socket-close socket))))
+  (with-listening-socket (fd port)
+    (with-thread-leak-check ()
+      (check-restarts-lose-no-request
+       port (lambda () (ht:start (make-server 'parallel-easy-acceptor :listen-fd fd)))))))
+
+(defclass given-socket-acceptor (parallel-easy-acceptor)
+  ((listening-fd :initarg :listening-fd :reader given-listening-fd))
+  (:documentation "An application's acceptor whose own START-LISTENING
+method serves a copy of a descriptor that listens already, as a supervisor
+handing its socket to each new process does."))
+
+(defmethod ht:start-listening ((acceptor given-socket-acceptor))
+  (setf (hrt::acceptor-listen-socket acceptor)
+        (hrt::adopt-listening-descriptor (sb-unix:unix-dup (given-listening-fd acceptor)))))
+
+(test listening.socket-given-by-start-listening-still-listens-after-a-soft-stop
+  (with-listening-socket (fd port)
+    (with-thread-leak-check ()
+      (flet ((start-one () (ht:start (make-server 'given-socket-acceptor :listening-fd fd))))
+        (check-restarts-lose-no-request port #'start-one)
+        (let ((serving (start-one)))
+          (is (eql 200 (unwind-protect (get-yo-on-new-connection port)
+                         (ht:stop serving :soft t)))
+              "the socket still listens after the last soft stop"))))))

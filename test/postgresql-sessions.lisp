@@ -285,3 +285,23 @@ third, the first count that was not the one expected, and the one expected."
           (when nginx (stop-process nginx))
           (stop-demos)
           (uiop:delete-directory-tree directory :validate t :if-does-not-exist :ignore))))))
+
+(defun client-backend-pids (store)
+  "The PIDs of the client backends of the database STORE uses, in order."
+  (hunchentoot-recycling-taskmaster::with-session-database (connection store)
+    (mapcar #'first (cl-postgres:exec-query connection "SELECT pid FROM pg_stat_activity
+                                                         WHERE backend_type = 'client backend' ORDER BY pid"
+                                            'cl-postgres:list-row-reader))))
+
+(test postgresql-sessions.cookies-that-cannot-be-ours-cost-no-database-connection
+  (with-postgresql-cluster (cluster)
+    (let ((store (cluster-store cluster)))
+      (with-server (server (store-server store))
+        (is (eql 200 (http-get server "/test/session-count")))
+        (let ((backends (client-backend-pids store)))
+          (dolist (cookie '("1%00:0123456789abcdef0123456789abcdef" "12:0123%00" "%01%1B[2J:ab"
+                            "%D9%A1%D9%A2:0123456789abcdef" "7:not-hex"))
+            (is (eql 1 (count-with-cookie server cookie)) "~S: a new session" cookie)
+            (is (eql 200 (get-with-cookie server "/test/yo" cookie)) "~S: a handler without a session" cookie))
+          (is (equal backends (client-backend-pids store))
+              "no database connection was dropped or opened: ~A then ~A" backends (client-backend-pids store)))))))

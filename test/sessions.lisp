@@ -75,7 +75,13 @@ they name counts on untouched."
       (dolist (wrong (list (format nil "~A:0123456789ABCDEF0123456789ABCDEF" id) ; forged
                            (subseq real 0 (1- (length real))) ; truncated
                            (format nil "~A:" id) id (format nil ":~A" real) "garbage"
-                           (format nil "~A~A" id (subseq real (length id)))))
+                           (format nil "~A~A" id (subseq real (length id)))
+                           ;; Bytes no cookie of ours has, which a store must never see.
+                           (format nil "~A%00:~A" id (subseq real (1+ (length id))))
+                           (format nil "~A:~A%00" id (subseq real (1+ (length id))))
+                           (format nil "~A%01%7F:~A" id (subseq real (1+ (length id))))
+                           (format nil "%D9%A1~A" real)
+                           (format nil "~A:~Az" id (subseq real (1+ (length id))))))
         (unless (string= wrong real)
           (is (eql 1 (count-with-cookie server wrong)) "~S did not start a new session" wrong)))
       (is (equal "3" (nth-value 1 (http-get server "/test/session-count" :cookie-jar jar)))

@@ -152,16 +152,19 @@ signal from the wait as well as from the read."
       (uiop:terminate-process process :urgent t)))
   (uiop:wait-process process))
 
-(defun launch-demo (port log &key (environment (sb-ext:posix-environ)))
+(defun launch-demo (port log &key (environment (sb-ext:posix-environ)) dynamic-space-megabytes)
   "The demo of `make run` serving PORT in an SBCL of its own with
-ENVIRONMENT, writing to LOG; its process-info once it says it serves, or
-NIL (it is ended)."
+ENVIRONMENT (and a heap of DYNAMIC-SPACE-MEGABYTES, when given), writing to
+LOG; its process-info once it says it serves, or NIL (it is ended)."
   (let ((process (uiop:launch-program
-                  (list "sbcl" "--noinform" "--non-interactive" "--disable-debugger"
-                        "--load" (namestring (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster"
-                                                                            "tools/setup.lisp"))
-                        "--eval" "(load-systems-quietly \"hunchentoot-recycling-taskmaster/demo\")"
-                        "--eval" (format nil "(hunchentoot-recycling-taskmaster-demo:main :port ~D)" port))
+                  (append (list "sbcl")
+                          (and dynamic-space-megabytes
+                               (list "--dynamic-space-size" (format nil "~DMB" dynamic-space-megabytes)))
+                          (list "--noinform" "--non-interactive" "--disable-debugger"
+                                "--load" (namestring (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster"
+                                                                                    "tools/setup.lisp"))
+                                "--eval" "(load-systems-quietly \"hunchentoot-recycling-taskmaster/demo\")"
+                                "--eval" (format nil "(hunchentoot-recycling-taskmaster-demo:main :port ~D)" port)))
                   :output log :error-output :output :if-output-exists :supersede
                   :environment environment)))
     (if (wait-until (lambda () (plusp (log-lines-matching log "Serving"))) :timeout 120 :interval 0.1)

@@ -94,3 +94,32 @@
     (is (eql 400 (hrt::websocket-handshake-refusal :get :http/1.0 good)))
     (is (eql 400 (hrt::websocket-handshake-refusal :get :http/1.1 '((:sec-websocket-key . "short") (:sec-websocket-version . "13")))))
     (is (eql 426 (hrt::websocket-handshake-refusal :get :http/1.1 '((:sec-websocket-key . "dGhlIHNhbXBsZSBub25jZQ==") (:sec-websocket-version . "8")))))))
+
+(test websocket-frames.key-is-sixteen-octets-of-ascii-base64
+  (is-true (hrt::websocket-key-valid-p "dGhlIHNhbXBsZSBub25jZQ=="))
+  (is-true (hrt::websocket-key-valid-p "AAAAAAAAAAAAAAAAAAAA+/=="))
+  (dolist (key (list "dGhlIHNhbXBsZSBub25jZé==" ; a Latin letter that ALPHANUMERICP takes
+                     (concatenate 'string "dGhlIHNhbXBsZSBub25jZ" (string (code-char #xFF21)) "==") ; fullwidth A
+                     (concatenate 'string "dGhlIHNhbXBsZSBub25jZ" (string (code-char #x0661)) "==") ; Arabic-Indic 1
+                     "dGhlIHNhbXBsZSBub25j-Q==" "dGhlIHNhbXBsZSBub25jZQ=" "dGhlIHNhbXBsZSBub25jZQQ="))
+    (is-false (hrt::websocket-key-valid-p key) "~S is not 16 octets of base64" key)))
+
+(test websocket-frames.upgrade-request-with-a-body-refused
+  (dolist (body-header '((:transfer-encoding . "chunked") (:content-length . "5")))
+    (is (eql 400 (hrt::websocket-handshake-refusal
+                  :get :http/1.1 (list body-header '(:sec-websocket-key . "dGhlIHNhbXBsZSBub25jZQ==")
+                                       '(:sec-websocket-version . "13"))))
+        "~S" body-header))
+  (is (null (hrt::websocket-handshake-refusal
+             :get :http/1.1 '((:content-length . "0") (:sec-websocket-key . "dGhlIHNhbXBsZSBub25jZQ==")
+                              (:sec-websocket-version . "13"))))))
+
+(test websocket-frames.utf-8-encoded-to-measure
+  (dolist (string (list "" "Hello" "héllo wörld" (coerce (list (code-char #x10348) #\a (code-char #x20AC)) 'string)))
+    (let* ((simple (coerce string 'simple-string))
+           (octets (make-array (hrt::utf-8-length simple) :element-type '(unsigned-byte 8))))
+      (hrt::encode-utf-8-into simple octets 0)
+      (is (equalp (text-octets string) octets) "~S" string)
+      (is-true (hrt::utf-8-encodes-p simple octets 0))
+      (when (plusp (length octets))
+        (is-false (hrt::utf-8-encodes-p simple (subseq octets 1) 0) "~S: other octets" string)))))

@@ -520,3 +520,117 @@ frames; :NONE for a close without a code; NIL when none came."
                      (is (equal message (flex:octets-to-string payload :external-format :utf-8)))))))
           (ignore-errors (close tls))
           (usocket:socket-close socket))))))
+
+;;; Hostile clients.
+
+(defun octets-of (&rest parts)
+  "The octets of PARTS, strings (as UTF-8) and octet vectors, one after the other."
+  (apply #'concatenate '(simple-array (unsigned-byte 8) (*))
+         (mapcar (lambda (part) (if (stringp part) (text-octets part) part)) parts)))
+
+(test websockets.frames-sent-with-the-upgrade-request-read-at-once
+  (with-server (server (websocket-server))
+    (let ((socket (connect server)))
+      (unwind-protect
+           (progn
+             (send-octets socket (octets-of (websocket-handshake-text "/echo") (frame 1 (text-octets "early"))))
+             (is (eql 101 (read-reply-head socket)))
+             (is (equal "early" (read-text socket :timeout 5)) "echoed with no more octets from the client"))
+        (usocket:socket-close socket)))))
+
+(test websockets.upgrade-request-with-a-body-gets-400
+  (with-server (server (websocket-server))
+    (dolist (header '("Transfer-Encoding: chunked" "Content-Length: 5"))
+      (let ((socket (connect server))
+            (text (websocket-handshake-text "/echo")))
+        (unwind-protect
+             (progn
+               (send-text socket (concatenate 'string (subseq text 0 (+ 2 (search (crlf-lines "") text)))
+                                              (crlf-lines header)
+                                              (subseq text (+ 2 (search (crlf-lines "") text)))
+                                              (if (search "chunked" header) (crlf-lines "0" "") "hello")))
+               (is (eql 400 (read-reply-head socket)) "~A" header))
+          (usocket:socket-close socket))))))
+
+(test websockets.idle-client-closed-at-a-timeout-shorter-than-the-ping-interval
+  (with-server (server (websocket-server :websocket-timeout 3 :websocket-ping-interval 30))
+    (with-websocket (socket server "/echo")
+      (is (eql 1001 (read-close socket :timeout 4)) "closed within 4 s, unpinged")
+      (is (closed-by-server-p socket)))))
+
+(defun ping-flood (count)
+  "COUNT pings in one vector, each carrying its index in two octets."
+  (let ((octets (make-array (* count 8) :element-type '(unsigned-byte 8))))
+    (dotimes (index count octets)
+      (replace octets (frame 9 (vector (ldb (byte 8 8) index) (ldb (byte 8 0) index))) :start1 (* index 8)))))
+
+(test websockets.ping-flood-in-one-write-answered-in-order
+  (with-server (server (websocket-server :max-websocket-queue-bytes (* 4 1024 1024)))
+    (with-websocket (socket server "/echo")
+      (let ((octets-sent-before (stats server :websocket-octets-sent)))
+        (send-octets socket (octets-of (ping-flood 80000) (frame 1 (text-octets "after"))))
+        (let ((pongs 0) (last nil))
+          (loop (multiple-value-bind (opcode payload) (read-frame socket :timeout 30)
+                  (case opcode
+                    (10 (incf pongs) (setf last payload))
+                    (t (is (equal "after" (and (eql opcode 1) (flex:octets-to-string payload :external-format :utf-8))))
+                       (return)))))
+          (is (= 80000 pongs) "every ping answered, in order")
+          (is (equalp #(#x38 #x7f) last) "the last pong answers the last ping (79999)")
+          (is (= (+ (* 80000 4) 7) (- (stats server :websocket-octets-sent) octets-sent-before))))))))
+
+(test websockets.ping-flooder-that-reads-nothing-closed-with-1008
+  (with-server (server (websocket-server :write-timeout 2 :read-timeout 2))
+    (with-websocket (socket server "/echo")
+      (let* ((pings (apply #'octets-of (loop repeat 500 collect (frame 9 (make-array 125 :element-type '(unsigned-byte 8)
+                                                                                       :initial-element 1)))))
+             ;; Blocks once the server stops reading; ends when it closes.
+             (writer (in-thread (lambda ()
+                                  (handler-case (loop repeat 2000 do (send-octets socket pings))
+                                    (error () :closed))))))
+        (is (wait-until (lambda () (eql 1 (cdr (assoc 1008 (stats server :websocket-closes))))) :timeout 20)
+            "closed with 1008 as a client that reads nothing")
+        (is (equal '(:closed) (funcall writer)) "the server closed the connection")))))
+
+(test websockets.clients-come-and-go-without-work-that-grows-with-their-number
+  (let* ((resource (make-instance 'ws:websocket-resource))
+         (clients (loop repeat 10000 collect (make-instance 'ws:websocket-client))))
+    (dolist (client clients)
+      (hrt::add-resource-client resource client))
+    (let ((snapshot (ws:clients resource)))
+      (is (equal (reverse clients) snapshot) "newest first")
+      (let ((consed (sb-ext:get-bytes-consed)))
+        (dolist (client clients)
+          (hrt::remove-resource-client resource client))
+        (is (< (- (sb-ext:get-bytes-consed) consed) 1000000)
+            "10,000 clients went with ~D octets consed (a list copied at each: 800 MB)"
+            (- (sb-ext:get-bytes-consed) consed)))
+      (is (= 10000 (length snapshot)) "a list taken before is not changed")
+      (is (null (ws:clients resource))))))
+
+(defun websocket-without-connection (&key (max-queue-bytes (* 4 1024 1024)))
+  "A WEBSOCKET record on no connection, for the functions of its queue."
+  (hrt::%make-websocket :set (hrt::%make-readiness-set :counters (hrt::make-connection-counters)
+                                                       :memory-budget (hrt::make-memory-budget (* 64 1024 1024)))
+                        :max-queue-bytes max-queue-bytes))
+
+(test websockets.a-turn-of-80000-pings-queues-one-piece
+  (let ((websocket (websocket-without-connection :max-queue-bytes 330000)))
+    (dotimes (index 80000)
+      (hrt::note-websocket-ping websocket (make-array 2 :element-type '(unsigned-byte 8)
+                                                        :initial-contents (list (ldb (byte 8 8) index)
+                                                                                (ldb (byte 8 0) index)))))
+    (hrt::queue-websocket-pongs websocket)
+    (let ((queue (hrt::websocket-queue websocket)))
+      (is (= 1 (length queue)) "one piece, so one send(2), for the turn's 80,000 pongs: ~D" (length queue))
+      (let ((octets (hrt::piece-octets (first queue))))
+        (is (= 320000 (length octets)))
+        (is (equalp #(#x8a 2 0 0 #x8a 2 0 1) (subseq octets 0 8)) "in the order of the pings")
+        (is (equalp #(#x8a 2 #x38 #x7f) (subseq octets (- (length octets) 4))))))
+    (is (= 320000 (hrt::websocket-unsent-octets websocket)))
+    (dotimes (index 100)
+      (hrt::note-websocket-ping websocket (make-array 125 :element-type '(unsigned-byte 8))))
+    (hrt::queue-websocket-pongs websocket)
+    (is (= 1 (length (hrt::websocket-queue websocket)))
+        "pongs past :max-websocket-queue-bytes are refused, not queued")
+    (is (eql 1008 (hrt::websocket-refusal-code websocket)))))

@@ -11,7 +11,8 @@
 ;;;;
 ;;;; A connection whose use ended by a non-local exit (a deadline in the
 ;;;; middle of a statement, a broken socket) is closed, never given back:
-;;;; its protocol state is unknown.  At a deadline its socket is shut down
+;;;; its protocol state is unknown.  A statement the server refused
+;;;; (an error response) leaves it in sync, and it is given back.  At a deadline its socket is shut down
 ;;;; before anything unwinds, since cl-postgres's own cleanups would wait
 ;;;; for the rest of the server's reply.  When a connection that served an
 ;;;; earlier statement turns out broken, the idle ones are closed too (a
@@ -152,6 +153,11 @@ earlier statement, NIL and true, that connection closed with the idle ones."
     (let ((done nil) (cut nil))
       (unwind-protect
            (handler-bind ((error (lambda (condition)
+                                   (cond ((or cut (broken-connection-error-p condition)))
+                                         ((typep condition 'cl-postgres:database-error)
+                                          ;; The server refused the statement; cl-postgres
+                                          ;; syncs the connection as the error unwinds.
+                                          (setf done :refused)))
                                    (when (and may-retry reused (not cut) (broken-connection-error-p condition))
                                      (drop-database-connection pool connection :idle-too t)
                                      (setf done :dropped)
@@ -165,7 +171,7 @@ earlier statement, NIL and true, that connection closed with the idle ones."
              (multiple-value-prog1 (values (multiple-value-list (funcall function connection)) nil)
                (setf done t)))
         (case done
-          ((t) (give-back-database-connection pool connection))
+          ((t :refused) (give-back-database-connection pool connection))
           ((nil) (drop-database-connection pool connection)))))))
 
 (defun call-with-database-connection (pool function)

@@ -84,14 +84,14 @@ down; the store's tables are made on the first connection if missing."
                                            max-connections)))
 
 (defun call-with-session-database (store function)
-  "FUNCTION called with a connection of STORE's pool; its values.  The
-database's failures signal SESSION-STORE-UNAVAILABLE.  cl-postgres's
+  "FUNCTION called with a connection of STORE's pool; its values.  Every
+error of the database or of cl-postgres signals SESSION-STORE-UNAVAILABLE.  cl-postgres's
 warnings are muffled: it warns of each socket it could not close cleanly
 after the server went away, a failure the call reports already, each in a
 message-log entry of several lines."
   (handler-case (handler-bind ((warning #'muffle-warning))
                   (call-with-database-connection (postgresql-store-pool store) function))
-    ((or cl-postgres:database-error stream-error sb-bsd-sockets:socket-error database-unreachable) (condition)
+    (error (condition)
       (error 'session-store-unavailable
              :store store
              :reason (substitute #\Space #\Newline (princ-to-string condition))))))

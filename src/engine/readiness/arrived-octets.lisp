@@ -34,9 +34,20 @@ their count, 0 at end of file, :WOULD-BLOCK or :ERROR."
         count)
       (receive-from-stream (connection-stream connection) (connection-fd connection) buffer start end)))
 
-(defun take-pending-bytes (connection buffer)
-  "Move CONNECTION's pending octets to the start of BUFFER; their count."
+(defun keep-pending-bytes (connection buffer end budget)
+  "Keep the END octets at the start of BUFFER (the start of a head, or
+requests sent ahead) with CONNECTION while it waits, counted against the
+memory BUDGET; nothing when END is 0."
+  (when (plusp end)
+    (charge-memory budget end)
+    (setf (connection-pending connection) (subseq buffer 0 end))))
+
+(defun take-pending-bytes (connection buffer budget)
+  "Move CONNECTION's pending octets to the start of BUFFER, giving them
+back to BUDGET; their count."
   (let ((pending (shiftf (connection-pending connection) nil)))
     (if pending
-        (progn (replace buffer pending) (length pending))
+        (progn (release-memory budget (length pending))
+               (replace buffer pending)
+               (length pending))
         0)))

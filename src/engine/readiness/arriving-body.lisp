@@ -16,7 +16,7 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defstruct (arriving-body (:constructor %make-arriving-body (head length framing octets)))
+(defstruct (arriving-body (:constructor %make-arriving-body (head length framing budget)))
   "A request whose head has arrived and whose body is arriving."
   ;; The request's REQUEST-HEAD.
   (head nil :read-only t)
@@ -26,8 +26,10 @@
   ;; The CHUNK-FRAMING that finds a chunked body's end; NIL for a
   ;; Content-Length body.
   (framing nil :read-only t)
-  ;; Where the first octets are kept, grown as they arrive.
-  (octets nil :type octets)
+  ;; Where the first octets are kept, grown as they arrive, and the
+  ;; MEMORY-BUDGET its size is taken from.
+  (octets (make-array 0 :element-type '(unsigned-byte 8)) :type octets)
+  (budget nil :read-only t)
   ;; How many octets have arrived.
   (fill 0 :type (integer 0))
   ;; The temporary file the body went on in once it outgrew memory, and the
@@ -50,9 +52,7 @@
   "Make the body of HEAD, LENGTH octets (NIL for a chunked body, whose end
 FRAMING finds) of which the first lie in BUFFER from START below END,
 CONNECTION's ARRIVING-BODY."
-  (let ((body (%make-arriving-body head length framing
-                                   (make-array (body-room length (max 4096 (* 2 (- end start))))
-                                               :element-type '(unsigned-byte 8)))))
+  (let ((body (%make-arriving-body head length framing (readiness-set-memory-budget set))))
     (setf (connection-arriving-body connection) body)
     (atomic-increment (readiness-set-arriving-body-count set))
     (add-body-octets body buffer start end most-positive-fixnum)
@@ -65,22 +65,34 @@ CONNECTION's ARRIVING-BODY."
   (merge-pathnames (format nil "hrt-body-~36R" (random (expt 2 64) *body-random-state*))
                    hunchentoot:*tmp-directory*))
 
+(defun grow-body-octets (body wanted)
+  "Give BODY room in memory for WANTED octets in all, taken from its memory
+budget first.  False, and nothing changed, when the budget has no room."
+  (let* ((octets (arriving-body-octets body))
+         (size (body-room (arriving-body-length body) (max wanted (* 2 (length octets)) 4096))))
+    (when (reserve-memory (arriving-body-budget body) (- size (length octets)))
+      (setf (arriving-body-octets body)
+            (replace (make-array size :element-type '(unsigned-byte 8)) octets :end2 (arriving-body-fill body)))
+      t)))
+
 (defun add-body-octets (body buffer start end memory-limit)
   "Add the octets of BUFFER from START below END to BODY: in memory while it
-stays within MEMORY-LIMIT octets, else in its temporary file."
+stays within MEMORY-LIMIT octets and the memory budget has room, else in
+its temporary file."
   (let ((count (- end start))
         (fill (arriving-body-fill body)))
-    (if (and (null (arriving-body-file body)) (<= (+ fill count) memory-limit))
-        (let ((octets (arriving-body-octets body)))
-          (when (> (+ fill count) (length octets))
-            (setf octets (replace (make-array (body-room (arriving-body-length body)
-                                                         (max (+ fill count) (* 2 (length octets))))
-                                              :element-type '(unsigned-byte 8))
-                                  octets :end2 fill)
-                  (arriving-body-octets body) octets))
-          (replace octets buffer :start1 fill :start2 start :end2 end))
+    (if (and (null (arriving-body-file body))
+             (<= (+ fill count) memory-limit)
+             (or (<= (+ fill count) (length (arriving-body-octets body)))
+                 (grow-body-octets body (+ fill count))))
+        (replace (arriving-body-octets body) buffer :start1 fill :start2 start :end2 end)
         (write-body-file-octets body buffer start end))
     (incf (arriving-body-fill body) count)))
+
+(defun forget-body-octets (body)
+  "Let go of the octets BODY keeps in memory, giving them back to its budget."
+  (release-memory (arriving-body-budget body) (length (arriving-body-octets body)))
+  (setf (arriving-body-octets body) (make-array 0 :element-type '(unsigned-byte 8))))
 
 (defun write-body-file-octets (body buffer start end)
   "Write the octets of BUFFER from START below END to BODY's temporary file,
@@ -96,7 +108,7 @@ REQUEST-BODY-NOT-STORED when the file cannot be made or written."
                                                        :if-exists :supersede))
             (write-sequence (arriving-body-octets body) (arriving-body-file body)
                             :end (arriving-body-fill body))
-            (setf (arriving-body-octets body) (make-array 0 :element-type '(unsigned-byte 8))))
+            (forget-body-octets body))
           (write-sequence buffer (arriving-body-file body) :start start :end end))
       ((or file-error stream-error) (condition)
         (error 'request-body-not-stored :path path :cause condition)))))
@@ -138,6 +150,7 @@ refused with."
 (defun discard-arriving-body (set connection)
   "Forget CONNECTION's ARRIVING-BODY, removing its temporary file."
   (let ((body (shiftf (connection-arriving-body connection) nil)))
+    (forget-body-octets body)
     (when (arriving-body-file body)
       (ignore-errors (close (arriving-body-file body) :abort t)))
     (when (arriving-body-path body)

@@ -10,6 +10,9 @@
   "Close CONNECTION, which the caller holds, and forget it.  Errors mean the
 client is gone already."
   (remove-connection set connection)
+  (let ((pending (shiftf (connection-pending connection) nil)))
+    (when pending
+      (release-memory (readiness-set-memory-budget set) (length pending))))
   (when (connection-websocket connection)
     (end-websocket (connection-websocket connection)))
   (when (connection-outgoing connection)
@@ -100,3 +103,49 @@ ABANDON-ACCEPTOR, once the threads that held them are gone."
   (loop for connection across (readiness-set-slots set)
         when connection
           do (close-connection set connection)))
+
+;;; Relief from memory pressure.
+
+(defun refuse-for-memory (set connection)
+  "Answer CONNECTION's request 503 while SET's memory budget holds more
+than its limit, counted there, and close it."
+  (atomic-increment (memory-budget-refusals (readiness-set-memory-budget set)))
+  (count-reply (readiness-set-counters set) 503)
+  (refuse-and-close set connection 503
+                    :explanation "This server is short of memory for the moment.  Please try again later."))
+
+(defun connection-held-octets (connection)
+  "The octets CONNECTION, parked, holds on its client's behalf (counting a
+frame it shares with others as its own)."
+  (let ((websocket (connection-websocket connection))
+        (outgoing (connection-outgoing connection))
+        (body (connection-arriving-body connection))
+        (pending (connection-pending connection)))
+    (+ (if websocket (+ (websocket-unsent-octets websocket) (websocket-message-length websocket)) 0)
+       (if outgoing (outgoing-charged outgoing) 0)
+       (if (and body (null (arriving-body-file body))) (length (arriving-body-octets body)) 0)
+       (if pending (length pending) 0))))
+
+(defun relieve-memory-pressure (set)
+  "During an episode of SET's memory budget, close the parked connections
+that hold the most, largest first, until its use falls below
++MEMORY-RELIEF-SHARE+ of the limit: clients that take nothing of what
+waits for them, or trickle a message or body in.  Websockets close with
+1008.  The number closed."
+  (let ((budget (readiness-set-memory-budget set))
+        (holders '()))
+    (when (and (memory-budget-refusing-p budget) (not (memory-relieved-p budget)))
+      (map-parked-connections set (lambda (connection)
+                                    (let ((held (connection-held-octets connection)))
+                                      (when (plusp held)
+                                        (push (cons held connection) holders)))))
+      (loop for (nil . connection) in (sort holders #'> :key #'car)
+            until (memory-relieved-p budget)
+            when (take-parked-connection connection)
+              count (let ((websocket (connection-websocket connection)))
+                      (when websocket
+                        (setf (websocket-close-code websocket) 1008
+                              (websocket-close-reason websocket) "Out of memory"))
+                      (atomic-increment (memory-budget-relief-closes budget))
+                      (close-connection set connection)
+                      t)))))

@@ -13,7 +13,7 @@
   "The same bounds in microseconds, so that counting a request conses
 nothing.")
 
-(defparameter *websocket-close-codes* #(1000 1001 1002 1003 1006 1007 1008 1009 1011)
+(defparameter *websocket-close-codes* #(1000 1001 1002 1003 1006 1007 1008 1009 1011 1013)
   "The close codes websocket closes are counted by; any other is counted
 as 0.")
 

@@ -11,12 +11,17 @@
 (in-package #:hunchentoot-recycling-taskmaster)
 
 (defstruct (piece (:constructor make-octets-piece (octets start end))
-                  (:constructor make-file-piece (start end &aux (octets nil))))
+                  (:constructor make-file-piece (start end &aux (octets nil)))
+                  (:constructor make-counted-piece
+                      (counted &aux (octets (counted-octets-octets counted)) (start 0) (end (length octets)))))
   "Part of a reply: the octets of OCTETS from START below END, or, when
 OCTETS is NIL, those of the reply's file.  START moves as they are sent."
   (octets nil :type (or null octets))
   (start 0 :type fixnum)
-  (end 0 :type fixnum))
+  (end 0 :type fixnum)
+  ;; The COUNTED-OCTETS whose OCTETS these are, held by this piece until it
+  ;; is sent or dropped; NIL for octets counted otherwise.
+  (counted nil))
 
 (defstruct (outgoing (:constructor make-outgoing (pieces file-fd)))
   "What a connection's reply has left to send."
@@ -27,7 +32,10 @@ OCTETS is NIL, those of the reply's file.  START moves as they are sent."
   (file-fd nil)
   ;; What follows once every piece has gone: :KEEP-ALIVE (the connection's
   ;; next request) or :CLOSE.
-  (then :close))
+  (then :close)
+  ;; The octets of its pieces copied from a buffer the caller reuses,
+  ;; charged to the memory budget until it is dropped.
+  (charged 0 :type fixnum))
 
 (defun send-pieces (fd pieces file-fd)
   "Send PIECES in order to the socket FD without waiting, file pieces from
@@ -48,18 +56,27 @@ early; or the pieces left, the first one's START moved past what went."
 
 (defun keep-outgoing (set connection pieces file-fd borrowed-octets)
   "Make PIECES CONNECTION's OUTGOING: pieces of BORROWED-OCTETS (a buffer
-the caller reuses) copied, FILE-FD duplicated if a file piece is left.
-False when no descriptor was left to duplicate it with."
+the caller reuses) copied and their copies counted in SET's memory budget,
+FILE-FD duplicated if a file piece is left.  Octets the handler made are
+kept as they are and not counted: they are the application's, and may be
+one vector every reply shares.  False when no descriptor was left to
+duplicate it with."
   (let ((file-fd (and (notevery #'piece-octets pieces) (duplicate-fd file-fd))))
     (when (or file-fd (every #'piece-octets pieces))
-      (setf (connection-outgoing connection)
-            (make-outgoing (loop for piece in pieces
-                                 collect (if (and borrowed-octets (eq (piece-octets piece) borrowed-octets))
-                                             (make-octets-piece (subseq borrowed-octets (piece-start piece)
-                                                                        (piece-end piece))
-                                                                0 (- (piece-end piece) (piece-start piece)))
-                                             piece))
-                           file-fd))
+      (let* ((copied 0)
+             (outgoing (make-outgoing (loop for piece in pieces
+                                            collect (if (and borrowed-octets (eq (piece-octets piece) borrowed-octets))
+                                                        (let ((count (- (piece-end piece) (piece-start piece))))
+                                                          (incf copied count)
+                                                          (make-octets-piece (subseq borrowed-octets (piece-start piece)
+                                                                                     (piece-end piece))
+                                                                             0 count))
+                                                        piece))
+                                      file-fd)))
+        (setf (outgoing-charged outgoing) copied
+              (connection-outgoing connection) outgoing)
+        ;; The copy is made: counted, not refused.
+        (charge-memory (readiness-set-memory-budget set) copied))
       (atomic-increment (readiness-set-outgoing-count set))
       t)))
 
@@ -108,6 +125,7 @@ the client has gone or the file ended early."
   (let ((outgoing (shiftf (connection-outgoing connection) nil)))
     (when (outgoing-file-fd outgoing)
       (close-fd (outgoing-file-fd outgoing)))
+    (release-memory (readiness-set-memory-budget set) (outgoing-charged outgoing))
     (atomic-decrement (readiness-set-outgoing-count set))))
 
 (defun send-outgoing (set connection)

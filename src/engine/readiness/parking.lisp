@@ -30,8 +30,7 @@ pool is stopping."
     (cond ((stopping-p engine) (close-connection set connection))
           ((<= deadline now) (end-parked-connection set connection))
           (t
-           (when (plusp end)
-             (setf (connection-pending connection) (subseq buffer 0 end)))
+           (keep-pending-bytes connection buffer end (readiness-set-memory-budget set))
            (park-until engine set connection deadline)))))
 
 (defun park-until-writable (engine set connection buffer end)
@@ -39,8 +38,7 @@ pool is stopping."
 socket has room, keeping the END octets of BUFFER (requests the client
 sent meanwhile); the client has the write timeout to take more, and again
 each time it has taken some (CLIENT-TOOK-OCTETS-P)."
-  (when (plusp end)
-    (setf (connection-pending connection) (subseq buffer 0 end)))
+  (keep-pending-bytes connection buffer end (readiness-set-memory-budget set))
   (setf (connection-awaiting connection) :output
         (connection-timeout-status connection) nil)
   (note-unacknowledged-octets connection)

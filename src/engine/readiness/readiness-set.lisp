@@ -73,6 +73,8 @@
   (websocket-count 0 :type word)
   ;; The engine's CONNECTION-COUNTERS, which this set counts into.
   (counters nil :type connection-counters :read-only t)
+  ;; The MEMORY-BUDGET the buffers of this set's connections are taken from.
+  (memory-budget nil :type memory-budget :read-only t)
   ;; Workers that have served from this set: the next one counts its
   ;; requests in stripe (mod this +REQUEST-COUNT-STRIPES+).
   (counting-workers 0 :type word))
@@ -82,12 +84,13 @@
     (format stream "epoll fd ~D, ~D connections, ~D parked"
             (readiness-set-epoll-fd set) (readiness-set-connection-count set) (parked-connection-count set))))
 
-(defun make-readiness-set (listen-socket counters
+(defun make-readiness-set (listen-socket counters memory-budget
                            &key header-timeout keep-alive-timeout queue-timeout write-timeout read-timeout
                              server-name refusal-logger)
   "A readiness set watching LISTEN-SOCKET (made non-blocking: a worker woken
-for it may find the connection already taken), counting into COUNTERS.  The
-timeouts are in seconds; a WRITE-TIMEOUT or READ-TIMEOUT of NIL means a year."
+for it may find the connection already taken), counting into COUNTERS,
+its connections' buffers taken from MEMORY-BUDGET.  The timeouts are in
+seconds; a WRITE-TIMEOUT or READ-TIMEOUT of NIL means a year."
   (let* ((epoll-fd (make-epoll-set))
          (listen-fd (socket-file-descriptor listen-socket))
          (set (%make-readiness-set :epoll-fd epoll-fd :wakeup-fd (make-wakeup-fd)
@@ -96,6 +99,7 @@ timeouts are in seconds; a WRITE-TIMEOUT or READ-TIMEOUT of NIL means a year."
                                                     (unless (wildcard-address-p (first address))
                                                       address))
                                    :counters counters
+                                   :memory-budget memory-budget
                                    :header-timeout (seconds->internal-units header-timeout)
                                    :keep-alive-timeout (seconds->internal-units keep-alive-timeout)
                                    :queue-timeout (seconds->internal-units queue-timeout)

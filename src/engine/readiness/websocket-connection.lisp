@@ -50,6 +50,7 @@
   (max-queue-bytes 0 :type fixnum :read-only t)
   (ping-interval 0 :type fixnum :read-only t)
   (timeout 0 :type fixnum :read-only t)
+  (message-timeout 0 :type fixnum :read-only t)
   ;; Internal real time the client last sent anything, and whether it has
   ;; been pinged since.
   (last-heard 0 :type fixnum)
@@ -63,24 +64,35 @@
   (frame-mask 0 :type (unsigned-byte 32))
   (frame-left 0 :type fixnum)
   (frame-read 0 :type fixnum)
-  ;; The message being received: its opcode (NIL between messages), its
-  ;; octets so far (NIL until a frame ends before the message does), and
-  ;; the UTF-8 state of a text message's octets so far.
+  ;; The message being received: its opcode (NIL between messages), the
+  ;; internal real time its first frame began, the UTF-8 state of a text
+  ;; message's octets so far, and its octets so far (websocket-message.lisp).
   (message-opcode nil)
-  (message nil)
+  (message-started 0 :type fixnum)
   (utf-8-state 0 :type fixnum)
+  (message nil)
   ;; The payload of the control frame being read.
   (control nil)
-  ;; Frames sent by threads that did not hold the connection, newest
-  ;; first: any thread pushes, the holder takes.
+  ;; The payloads of the pings heard this turn, not answered yet, newest
+  ;; first, and the octets of their pongs: the turn's pongs leave as one
+  ;; vector, so that a flood of pings costs one send, and a client that
+  ;; reads none of them fills its queue as fast as it pings.
+  (ping-payloads '())
+  (pong-octets 0 :type fixnum)
+  ;; Frames sent by threads that did not hold the connection, as
+  ;; COUNTED-OCTETS, newest first: any thread pushes, the holder takes.
   (inbox '())
-  ;; The PIECEs the socket has not taken, in order: the holder's.
+  ;; The PIECEs the socket has not taken, in order, and the last cons of
+  ;; the list, so that a piece is added at its end in constant time: the
+  ;; holder's.
   (queue '())
+  (queue-tail '())
   ;; Octets in INBOX and QUEUE: senders add, the holder subtracts.
   (unsent-octets 0 :type word)
-  ;; True once a send found no room under MAX-QUEUE-BYTES: the holder
-  ;; closes the client with 1008.
-  (overflowed-p nil))
+  ;; NIL, or the code the holder closes the client with because a send
+  ;; was refused: 1008 when it found no room under MAX-QUEUE-BYTES, 1013
+  ;; when the memory budget had none.
+  (refusal-code nil))
 
 (defmethod print-object ((websocket websocket) stream)
   (print-unreadable-object (websocket stream :type t :identity t)
@@ -95,45 +107,108 @@ ACCEPTOR's limits; counted open."
                    :max-queue-bytes (acceptor-max-websocket-queue-bytes acceptor)
                    :ping-interval (seconds->internal-units (acceptor-websocket-ping-interval acceptor))
                    :timeout (seconds->internal-units (acceptor-websocket-timeout acceptor))
+                   :message-timeout (seconds->internal-units (acceptor-websocket-message-timeout acceptor))
                    :last-heard (get-internal-real-time)))
+
+(defun websocket-message-length (websocket)
+  "The octets of WEBSOCKET's message kept so far."
+  (let ((message (websocket-message websocket)))
+    (if message (arriving-message-length message) 0)))
 
 (defun websocket-counters (websocket)
   (readiness-set-counters (websocket-set websocket)))
 
 ;;; Sending.
 
+(defun refuse-websocket-send (websocket code)
+  "A send to WEBSOCKET was refused: its holder closes it with CODE."
+  (compare-and-swap (websocket-refusal-code websocket) nil code)
+  nil)
+
 (defun offer-websocket-frame (websocket frame)
-  "Add FRAME, the octets of a frame, to what WEBSOCKET's holder sends, from
-any thread.  False, and nothing added, when the websocket is closing or
-closed, or when FRAME does not fit under its MAX-QUEUE-BYTES (then it is
-marked overflowed)."
-  (cond ((not (eq (websocket-state websocket) :open)) nil)
-        ((> (+ (websocket-unsent-octets websocket) (length frame)) (websocket-max-queue-bytes websocket))
-         (setf (websocket-overflowed-p websocket) t)
-         nil)
-        (t (atomic-add (websocket-unsent-octets websocket) (length frame))
-           (loop for old = (websocket-inbox websocket)
-                 until (compare-and-swap (websocket-inbox websocket) old (cons frame old)))
-           t)))
+  "Add FRAME, the COUNTED-OCTETS of a frame the caller holds, to what
+WEBSOCKET's holder sends, from any thread; the queue holds it from now on.
+False, and nothing added, when the websocket is closing or closed, or when
+FRAME does not fit under its MAX-QUEUE-BYTES (then it is to close with
+1008)."
+  (let ((length (length (counted-octets-octets frame))))
+    (cond ((not (eq (websocket-state websocket) :open)) nil)
+          ((> (+ (websocket-unsent-octets websocket) length) (websocket-max-queue-bytes websocket))
+           (refuse-websocket-send websocket 1008))
+          ((not (hold-counted-octets frame)) nil)
+          (t (atomic-add (websocket-unsent-octets websocket) length)
+             (loop for old = (websocket-inbox websocket)
+                   until (compare-and-swap (websocket-inbox websocket) old (cons frame old)))
+             (when (eq (websocket-state websocket) :closed)
+               ;; Ended meanwhile, its queue dropped (END-WEBSOCKET sets
+               ;; :CLOSED first): no holder will take this frame.
+               (mapc #'let-go-of-counted-octets (take-inbox-frames websocket)))
+             t))))
+
+(defun enqueue-websocket-piece (websocket piece)
+  "Add PIECE at the end of WEBSOCKET's QUEUE, held by the caller."
+  (let ((cell (list piece)))
+    (if (websocket-queue websocket)
+        (setf (cdr (websocket-queue-tail websocket)) cell)
+        (setf (websocket-queue websocket) cell))
+    (setf (websocket-queue-tail websocket) cell)))
+
+(defun take-inbox-frames (websocket)
+  "Empty WEBSOCKET's INBOX; the frames it held, newest first.  Each frame
+pushed is so taken by exactly one thread."
+  (loop for old = (websocket-inbox websocket)
+        until (compare-and-swap (websocket-inbox websocket) old '())
+        finally (return old)))
 
 (defun take-websocket-inbox (websocket)
   "Move the frames in WEBSOCKET's INBOX to the end of its QUEUE, in the
 order they were sent."
-  (let ((frames (loop for old = (websocket-inbox websocket)
-                      until (compare-and-swap (websocket-inbox websocket) old '())
-                      finally (return old))))
-    (when frames
-      (setf (websocket-queue websocket)
-            (nconc (websocket-queue websocket)
-                   (loop for frame in (reverse frames)
-                         collect (make-octets-piece frame 0 (length frame))))))))
+  (dolist (frame (nreverse (take-inbox-frames websocket)))
+    (enqueue-websocket-piece websocket (make-counted-piece frame))))
+
+(defun queue-counted-frame (websocket frame)
+  "Queue FRAME, COUNTED-OCTETS whose hold passes to the queue, on
+WEBSOCKET, held by the caller, whatever its state and limit."
+  (atomic-add (websocket-unsent-octets websocket) (length (counted-octets-octets frame)))
+  (enqueue-websocket-piece websocket (make-counted-piece frame)))
 
 (defun queue-websocket-frame (websocket frame)
-  "Queue FRAME on WEBSOCKET, held by the caller, whatever its state and
-limit: a pong, a ping, a close frame."
-  (atomic-add (websocket-unsent-octets websocket) (length frame))
-  (setf (websocket-queue websocket)
-        (nconc (websocket-queue websocket) (list (make-octets-piece frame 0 (length frame))))))
+  "Queue FRAME, the fresh octets of a control frame (a ping, a close), on
+WEBSOCKET, held by the caller, whatever its state and limit."
+  (queue-counted-frame websocket (uncounted-octets frame)))
+
+(defun note-websocket-ping (websocket payload)
+  "WEBSOCKET's client pinged with PAYLOAD: its pong goes when the turn ends."
+  (push payload (websocket-ping-payloads websocket))
+  (incf (websocket-pong-octets websocket) (+ (frame-head-length (length payload)) (length payload))))
+
+(defun queue-websocket-pongs (websocket)
+  "Queue the pongs answering the pings of the turn, in order, as one
+vector taken from the memory budget.  A client whose pongs would pass
+MAX-QUEUE-BYTES is to close with 1008, as any client that does not read
+what it is sent; with 1013 when the budget has no room for them."
+  (let ((payloads (shiftf (websocket-ping-payloads websocket) '()))
+        (octets (shiftf (websocket-pong-octets websocket) 0)))
+    (cond ((or (null payloads) (not (eq (websocket-state websocket) :open))))
+          ((> (+ (websocket-unsent-octets websocket) octets) (websocket-max-queue-bytes websocket))
+           (refuse-websocket-send websocket 1008))
+          (t (let ((frame (make-counted-octets (readiness-set-memory-budget (websocket-set websocket)) octets))
+                   (position 0))
+               (if (null frame)
+                   (refuse-websocket-send websocket 1013)
+                   (let ((pongs (counted-octets-octets frame)))
+                     (dolist (payload (nreverse payloads))
+                       (setf position (write-frame-head pongs +pong-opcode+ (length payload) position))
+                       (replace pongs payload :start1 position)
+                       (incf position (length payload)))
+                     (queue-counted-frame websocket frame))))))))
+
+(defun drop-websocket-queue (websocket)
+  "Let go of every frame waiting for WEBSOCKET, held by the caller."
+  (take-websocket-inbox websocket)
+  (dolist (piece (shiftf (websocket-queue websocket) '()))
+    (let-go-of-counted-octets (piece-counted piece)))
+  (setf (websocket-queue-tail websocket) '()))
 
 (defun send-websocket-queue (websocket)
   "Send what WEBSOCKET's QUEUE holds, after the frames of its INBOX, as far
@@ -157,7 +232,8 @@ as the socket takes it now.  The caller holds the connection.  :SENT,
                     (atomic-subtract (websocket-unsent-octets websocket) count)
                     (atomic-add (connection-counters-websocket-octets-out counters) count)
                     (when (= (piece-start piece) (piece-end piece))
-                      (pop (websocket-queue websocket))))))
+                      (pop (websocket-queue websocket))
+                      (let-go-of-counted-octets (piece-counted piece))))))
           finally (return :sent))))
 
 (defun send-close-frame (websocket code reason)
@@ -190,26 +266,33 @@ pinged."
                       (+ now (readiness-set-write-timeout set)))))
           ((eq (websocket-state websocket) :closing)
            (+ now (seconds->internal-units +websocket-closing-seconds+)))
-          ((websocket-pinged-p websocket) (+ (websocket-last-heard websocket) (websocket-timeout websocket)))
-          (t (+ (websocket-last-heard websocket) (websocket-ping-interval websocket))))))
+          (t (min (+ (websocket-last-heard websocket)
+                     (if (websocket-pinged-p websocket)
+                         (websocket-timeout websocket)
+                         (min (websocket-ping-interval websocket) (websocket-timeout websocket))))
+                  (if (websocket-message-opcode websocket)
+                      (+ (websocket-message-started websocket) (websocket-message-timeout websocket))
+                      most-positive-fixnum))))))
 
 (defun park-websocket (websocket)
   "Send what WEBSOCKET has to send, then park its connection, held by the
 caller, until its client sends, its socket has room for the rest, or its
 deadline (WEBSOCKET-DEADLINE).  Returns T when parked (and perhaps another
 thread's already); :CLOSE when the caller is to close it: it was asked to
-close or overflowed, its client has gone, or the descriptor could not be
-armed."
+close or a send to it was refused, its client has gone, or the descriptor
+could not be armed."
   (let* ((connection (websocket-connection websocket))
          (set (websocket-set websocket)))
     (loop
       (let ((requested (shiftf (websocket-close-requested websocket) nil)))
         (when (and requested (eq (websocket-state websocket) :open))
           (send-close-frame websocket (first requested) (second requested))))
-      (when (websocket-overflowed-p websocket)
-        (setf (websocket-close-code websocket) 1008
-              (websocket-close-reason websocket) "Too much unsent")
-        (return :close))
+      (let ((code (websocket-refusal-code websocket)))
+        (when code
+          (setf (websocket-close-code websocket) code
+                (websocket-close-reason websocket) (if (eql code 1008) "Too much unsent" "Out of memory"))
+          (return :close)))
+      (queue-websocket-pongs websocket)
       (when (eq (send-websocket-queue websocket) :failed)
         (setf (websocket-close-code websocket) 1006)
         (return :close))
@@ -221,7 +304,7 @@ armed."
       ;; See "Sending from any thread" above.
       (memory-barrier)
       (unless (and (or (websocket-inbox websocket) (websocket-close-requested websocket)
-                       (websocket-overflowed-p websocket))
+                       (websocket-refusal-code websocket))
                    (take-parked-connection connection))
         (return t)))))
 
@@ -244,6 +327,12 @@ closing and the client's close frame never came."
             ((eq (websocket-state websocket) :closing) :close)
             ((>= now (+ (websocket-last-heard websocket) (websocket-timeout websocket)))
              (close-with 1001 "No answer"))
+            ((and (websocket-message-opcode websocket)
+                  (>= now (+ (websocket-message-started websocket) (websocket-message-timeout websocket))))
+             (close-with 1008 "Message too slow"))
+            ((< now (+ (websocket-last-heard websocket) (websocket-ping-interval websocket)))
+             ;; Woken for the message's deadline or the timeout, not to ping.
+             (park-websocket websocket))
             (t (setf (websocket-pinged-p websocket) t)
                (queue-websocket-frame websocket (frame-octets +ping-opcode+ (make-array 0 :element-type '(unsigned-byte 8))))
                (park-websocket websocket))))))
@@ -264,10 +353,11 @@ which is logged."
       (unless (eql code 1006)
         (send-websocket-queue websocket)
         (linger-before-close (websocket-connection websocket)))
-      (setf (websocket-state websocket) :closed
-            (websocket-queue websocket) '()
-            (websocket-inbox websocket) '()
-            (websocket-message websocket) nil)
+      (setf (websocket-state websocket) :closed)
+      (drop-websocket-queue websocket)
+      (let ((message (shiftf (websocket-message websocket) nil)))
+        (when message
+          (release-message message (readiness-set-memory-budget set))))
       (count-websocket-close (readiness-set-counters set) code)
       (atomic-decrement (readiness-set-websocket-count set))
       (let ((resource (websocket-resource websocket))

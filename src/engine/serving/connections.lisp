@@ -58,4 +58,6 @@ Called each time a worker takes the connection up, not once for its life:
             (:read-body (park-until-body-arrives engine set connection))
             (:close (close-connection set connection))
             (:let-go (remove-connection set connection))
-            (:refuse (refuse-and-close set connection detail))))))))
+            (:refuse (if (eq detail :memory)
+                         (refuse-for-memory set connection)
+                         (refuse-and-close set connection detail)))))))))

@@ -33,6 +33,8 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
     (setf (engine-tls-context engine) (make-acceptor-tls-context acceptor))
     (setf (engine-readiness-set engine)
           (make-readiness-set (acceptor-listen-socket acceptor) (engine-counters engine)
+                              (let ((octets (acceptor-memory-budget acceptor)))
+                                (if octets (make-memory-budget octets) (process-memory-budget)))
                               :header-timeout (acceptor-header-timeout acceptor)
                               :keep-alive-timeout (acceptor-keep-alive-timeout acceptor)
                               :queue-timeout (acceptor-queue-timeout acceptor)
@@ -74,8 +76,8 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
   (let ((set (engine-readiness-set engine)))
     (when set
       (stop-accepting set)
-      ;; An inherited socket stays listening, its queue for the next process.
-      (unless (acceptor-listen-fd (engine-acceptor engine))
+      ;; A socket from outside stays listening, its queue for the next process.
+      (when (own-listen-socket-p (engine-acceptor engine))
         (take-queued-connections engine set deadline)
         (refuse-connections set))
       ;; Read in this order: a connection taken before ACCEPTING-ENDED-P is
@@ -101,11 +103,24 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
 (defmethod engine-maintenance-interval ((engine readiness-engine))
   +sweep-interval-seconds+)
 
+(defun tend-memory-budget (engine set)
+  "Log the beginning of an episode of SET's memory budget, once, and close
+the connections holding the most until it ends."
+  (let ((budget (readiness-set-memory-budget set)))
+    (when (claim-memory-episode-log budget)
+      (log-safely (engine-acceptor engine) :warning
+                  "The memory budget (~D octets) is spent: buffers are refused and the connections ~
+holding the most closed until less than ~D% of it is used."
+                  (memory-budget-limit budget) (round (* 100 +memory-relief-share+))))
+    (relieve-memory-pressure set)
+    (end-memory-episode-if-relieved budget)))
+
 (defmethod engine-maintain ((engine readiness-engine))
   (let ((set (engine-readiness-set engine)))
     ;; Before the deadlines: a head found complete is no longer late.
     (sweep-while-no-worker-free engine set)
     (close-expired-connections set)
+    (tend-memory-budget engine set)
     (resume-accepting set)))
 
 (defmethod engine-statistics ((engine readiness-engine))

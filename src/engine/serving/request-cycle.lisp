@@ -197,7 +197,10 @@ END octets having arrived in all, or begin reading its body."
          (headers (request-head-headers head))
          (framing nil)
          (framing-refusal nil))
-    (cond ((and (assoc :transfer-encoding headers)
+    (cond ((memory-budget-exceeded-p (readiness-set-memory-budget (serving-set serving)))
+           ;; No new work while replies already made pass the budget.
+           (values :refuse :memory))
+          ((and (assoc :transfer-encoding headers)
                 (not (hunchentoot:acceptor-input-chunking-p acceptor)))
            ;; This acceptor takes no chunked body: RFC 9112 6.3 says 411.
            (values :refuse 411))
@@ -249,7 +252,7 @@ has sent so far, reading the bodies that follow their heads, until the
 connection has to wait or end: the outcome of the turn, never :NEXT."
   (let* ((buffer (serving-buffer serving))
          (max-header-bytes (acceptor-max-header-bytes (serving-acceptor serving)))
-         (end (take-pending-bytes connection buffer)))
+         (end (take-pending-bytes connection buffer (readiness-set-memory-budget (serving-set serving)))))
     (when (connection-outgoing connection)
       (case (send-outgoing (serving-set serving) connection)
         (:would-block (return-from answer-arrived-requests (values :send-rest end)))

@@ -118,8 +118,7 @@ else NIL."
     (cond ((control-opcode-p opcode) nil)
           ((and (= opcode +continuation-opcode+) (null message-opcode)) 1002)
           ((and (/= opcode +continuation-opcode+) message-opcode) 1002)
-          ((> (+ length (let ((message (websocket-message websocket))) (if message (length message) 0)))
-              (websocket-max-message-bytes websocket))
+          ((> (+ length (websocket-message-length websocket)) (websocket-max-message-bytes websocket))
            1009))))
 
 (defun begin-frame (websocket fin-p opcode length mask)
@@ -133,6 +132,7 @@ else NIL."
          (setf (websocket-control websocket) (make-array length :element-type '(unsigned-byte 8))))
         ((/= opcode +continuation-opcode+)
          (setf (websocket-message-opcode websocket) opcode
+               (websocket-message-started websocket) (get-internal-real-time)
                (websocket-utf-8-state websocket) 0))))
 
 (defun answer-control-frame (websocket opcode payload)
@@ -140,8 +140,7 @@ else NIL."
 payload, a pong is only heard, a close is answered with a close of its
 code and ends the websocket.  :CLOSE when the connection is to close."
   (cond ((= opcode +ping-opcode+)
-         (when (eq (websocket-state websocket) :open)
-           (queue-websocket-frame websocket (frame-octets +pong-opcode+ payload)))
+         (note-websocket-ping websocket payload)
          nil)
         ((= opcode +pong-opcode+) nil)
         (t
@@ -181,34 +180,31 @@ when the connection is to close, else NIL."
             ((and whole-p fin-p (null (websocket-message websocket)) (= read 0))
              ;; A message of one frame, all in the buffer: handed on from there.
              (end-message websocket buffer start end))
-            (t
-             (append-message-octets websocket buffer start end)
-             (when (and whole-p fin-p)
-               (let ((octets (coerce (websocket-message websocket) 'octets)))
-                 (end-message websocket octets 0 (length octets)))))))))
+            ((not (keep-message-octets websocket buffer start end (+ count (websocket-frame-left websocket))))
+             (fail-websocket websocket 1013 "Out of memory"))
+            ((and whole-p fin-p)
+             (let ((octets (message-octets (websocket-message websocket))))
+               (end-message websocket octets 0 (length octets))))))))
 
-(defun append-message-octets (websocket buffer start end)
-  "Add the octets of BUFFER from START below END to WEBSOCKET's message,
-a vector made on its first frame and grown by doubling."
-  (let* ((message (or (websocket-message websocket)
-                      (setf (websocket-message websocket)
-                            (make-array (- end start) :element-type '(unsigned-byte 8)
-                                                      :adjustable t :fill-pointer 0))))
-         (fill (fill-pointer message))
-         (new-fill (+ fill (- end start))))
-    (when (> new-fill (array-dimension message 0))
-      (setf message (setf (websocket-message websocket)
-                          (adjust-array message (max new-fill (* 2 (array-dimension message 0)))))))
-    (setf (fill-pointer message) new-fill)
-    (replace message buffer :start1 fill :start2 start :end2 end)))
+(defun keep-message-octets (websocket buffer start end frame-rest)
+  "Keep the octets of BUFFER from START below END, FRAME-REST octets of
+their frame being left from START on, with WEBSOCKET's message.  False
+when the memory budget had no room for them."
+  (add-message-octets (or (websocket-message websocket)
+                          (setf (websocket-message websocket) (make-arriving-message)))
+                      (readiness-set-memory-budget (websocket-set websocket))
+                      buffer start end frame-rest
+                      (- (websocket-max-message-bytes websocket) (websocket-message-length websocket))))
 
 (defun end-message (websocket octets start end)
   "The last frame of WEBSOCKET's message has arrived, its payload the
 OCTETS from START below END: hand the message on, unless a text ends in
 the middle of a character (1007).  :CLOSE when the connection is to close."
-  (let ((opcode (websocket-message-opcode websocket)))
-    (setf (websocket-message websocket) nil
-          (websocket-message-opcode websocket) nil)
+  (let ((opcode (websocket-message-opcode websocket))
+        (message (shiftf (websocket-message websocket) nil)))
+    (when message
+      (release-message message (readiness-set-memory-budget (websocket-set websocket))))
+    (setf (websocket-message-opcode websocket) nil)
     (if (and (= opcode +text-opcode+) (/= 0 (websocket-utf-8-state websocket)))
         (fail-websocket websocket 1007 "Invalid UTF-8")
         (deliver-message websocket opcode octets start end))))
@@ -240,8 +236,21 @@ head of a frame begins (END when there is none), or :CLOSE."
 
 ;;; A turn.
 
+(defun client-reads-slower-than-it-sends-p (websocket)
+  "Send the pongs and what the client's own messages made for it (its
+messages echoed or broadcast back) as far as its socket takes them now;
+true when half its queue's limit still waits, so that the turn reads no
+more of what it sent until it has taken that: a client that sends faster
+than it reads is slowed, not closed for the answers to its own messages."
+  ;; The pongs first, as at the end of a turn (PARK-WEBSOCKET).
+  (queue-websocket-pongs websocket)
+  (when (or (websocket-inbox websocket) (websocket-queue websocket))
+    (send-websocket-queue websocket))
+  (> (websocket-unsent-octets websocket) (floor (websocket-max-queue-bytes websocket) 2)))
+
 (defun answer-websocket-frames (serving connection
-                                &optional (end (take-pending-bytes connection (serving-buffer serving))))
+                                &optional (end (take-pending-bytes connection (serving-buffer serving)
+                                                                   (readiness-set-memory-budget (serving-set serving)))))
   "Read what CONNECTION's client has sent, without waiting, after the END
 octets at the start of the buffer, and act on its frames.  :WEBSOCKET when
 the connection is to park (with the start of a frame head that arrived in
@@ -250,7 +259,15 @@ part), :CLOSE when it is to close."
          (counters (websocket-counters websocket))
          (buffer (serving-buffer serving))
          (outcome
-           (loop repeat +websocket-reads-per-turn+
+           (loop initially (when (plusp end)
+                             ;; Frames that came with the upgrade request, or
+                             ;; a head that arrived in part.
+                             (let ((unread (read-frames websocket buffer end)))
+                               (when (eq unread :close)
+                                 (return :close))
+                               (replace buffer buffer :start2 unread :end2 end)
+                               (decf end unread)))
+                 repeat +websocket-reads-per-turn+
                  do (let ((count (receive-bytes connection buffer end (length buffer))))
                       (case count
                         (:would-block (return :websocket))
@@ -263,10 +280,12 @@ part), :CLOSE when it is to close."
                              (when (eq unread :close)
                                (return :close))
                              (replace buffer buffer :start2 unread :end2 end)
-                             (decf end unread)))))
+                             (decf end unread))
+                           (when (client-reads-slower-than-it-sends-p websocket)
+                             (return :websocket)))))
                  finally (return :websocket))))
-    (when (and (eq outcome :websocket) (plusp end))
-      (setf (connection-pending connection) (subseq buffer 0 end)))
+    (when (eq outcome :websocket)
+      (keep-pending-bytes connection buffer end (readiness-set-memory-budget (serving-set serving))))
     outcome))
 
 (defun open-websocket (serving connection end)

@@ -93,24 +93,30 @@ with the octet of the masking key MASK at its position modulo 4."
         ((<= payload-length #xFFFF) 4)
         (t 10)))
 
+(defun write-frame-head (frame opcode length &optional (start 0))
+  "Write the head of a final frame of OPCODE carrying LENGTH octets into
+FRAME at START; the position its payload begins at."
+  (declare (type octets frame) (type fixnum start))
+  (let ((head-length (frame-head-length length)))
+    (setf (aref frame start) (logior #x80 opcode))
+    (case head-length
+      (2 (setf (aref frame (+ start 1)) length))
+      (4 (setf (aref frame (+ start 1)) 126
+               (aref frame (+ start 2)) (ldb (byte 8 8) length)
+               (aref frame (+ start 3)) (ldb (byte 8 0) length)))
+      (t (setf (aref frame (+ start 1)) 127)
+         (loop for index from 2 below 10
+               do (setf (aref frame (+ start index)) (ldb (byte 8 (* 8 (- 9 index))) length)))))
+    (+ start head-length)))
+
 (defun frame-octets (opcode payload &key (start 0) (end (length payload)))
   "A final frame of OPCODE carrying the octets of PAYLOAD from START below
 END, head and payload in one fresh vector, so that it leaves in one
 send(2)."
   (declare (type octets payload) (type fixnum start end))
   (let* ((length (- end start))
-         (head-length (frame-head-length length))
-         (frame (make-array (+ head-length length) :element-type '(unsigned-byte 8))))
-    (setf (aref frame 0) (logior #x80 opcode))
-    (case head-length
-      (2 (setf (aref frame 1) length))
-      (4 (setf (aref frame 1) 126
-               (aref frame 2) (ldb (byte 8 8) length)
-               (aref frame 3) (ldb (byte 8 0) length)))
-      (t (setf (aref frame 1) 127)
-         (loop for index from 2 below 10
-               do (setf (aref frame index) (ldb (byte 8 (* 8 (- 9 index))) length)))))
-    (replace frame payload :start1 head-length :start2 start :end2 end)
+         (frame (make-array (+ (frame-head-length length) length) :element-type '(unsigned-byte 8))))
+    (replace frame payload :start1 (write-frame-head frame opcode length) :start2 start :end2 end)
     frame))
 
 ;;; Close frames (RFC 6455 5.5.1, 7.4).

@@ -27,21 +27,32 @@ connection to a websocket (RFC 6455 4.2.1, items 3 and 4)."
   (and (header-has-token-p (cdr (assoc :upgrade headers)) "websocket")
        (header-has-token-p (cdr (assoc :connection headers)) "upgrade")))
 
+(defun base64-char-value (char)
+  "The six bits the base64 letter CHAR stands for, or NIL for any other
+character (ASCII only: ALPHANUMERICP takes every script's letters)."
+  (position char "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"))
+
 (defun websocket-key-valid-p (key)
-  "True when KEY, a Sec-WebSocket-Key, is the base64 of 16 octets."
+  "True when KEY, a Sec-WebSocket-Key, is the base64 of 16 octets: 22
+base64 letters of ASCII, then \"==\"."
   (and key
        (= (length key) 24)
        (string= "==" key :start2 22)
-       (every (lambda (char) (or (alphanumericp char) (find char "+/"))) (subseq key 0 22))))
+       (every #'base64-char-value (subseq key 0 22))))
 
 (defun websocket-handshake-refusal (method protocol headers)
   "Why the upgrade request of METHOD and PROTOCOL with HEADERS cannot be
 answered 101: its status and what the reply says -- 400 for a method other
-than GET, HTTP/1.0, or a missing or malformed key, 426 for a version other
-than 13 (answered with the version that is) -- or NIL when it can."
+than GET, HTTP/1.0, a body, or a missing or malformed key, 426 for a
+version other than 13 (answered with the version that is) -- or NIL when
+it can."
   (let ((version (cdr (assoc :sec-websocket-version headers))))
     (cond ((not (eq method :get)) (values 400 "A websocket is opened with GET."))
           ((not (eq protocol :http/1.1)) (values 400 "A websocket is opened with HTTP/1.1."))
+          ((or (assoc :transfer-encoding headers)
+               (not (member (cdr (assoc :content-length headers)) '(nil "0") :test #'equal)))
+           ;; What follows the head is the first frames, not a body.
+           (values 400 "A websocket upgrade request has no body."))
           ((not (websocket-key-valid-p (cdr (assoc :sec-websocket-key headers))))
            (values 400 "Sec-WebSocket-Key must be the base64 of 16 octets."))
           ((not (equal version "13")) (values 426 "Only version 13 of the websocket protocol is served.")))))

@@ -42,3 +42,61 @@ one; NIL as soon as an octet cannot be UTF-8 there."
 
 (defun string-utf-8-octets (string)
   (sb-ext:string-to-octets string :external-format :utf-8))
+
+;;; Encoding into a frame made to measure.  A surrogate code point, which
+;;; a Lisp string may hold and UTF-8 may not, is encoded as U+FFFD.
+
+(declaim (inline character-utf-8-code))
+(defun character-utf-8-code (char)
+  (let ((code (char-code char)))
+    (if (<= #xD800 code #xDFFF) #xFFFD code)))
+
+(defun utf-8-length (string)
+  "The octets of STRING's UTF-8 encoding."
+  (declare (type simple-string string) (optimize speed))
+  (loop for char across string
+        for code = (character-utf-8-code char)
+        sum (cond ((< code #x80) 1) ((< code #x800) 2) ((< code #x10000) 3) (t 4)) fixnum))
+
+(defmacro do-utf-8-octets ((octet string) &body body)
+  "Run BODY with OCTET bound to each octet of STRING's UTF-8 encoding, in order."
+  (let ((code (gensym "CODE")) (char (gensym "CHAR")))
+    `(loop for ,char across ,string
+           for ,code of-type (integer 0 #x10FFFF) = (character-utf-8-code ,char)
+           do (flet ((emit (,octet) ,@body))
+                (declare (inline emit))
+                (cond ((< ,code #x80) (emit ,code))
+                      ((< ,code #x800)
+                       (emit (logior #xC0 (ash ,code -6)))
+                       (emit (logior #x80 (ldb (byte 6 0) ,code))))
+                      ((< ,code #x10000)
+                       (emit (logior #xE0 (ash ,code -12)))
+                       (emit (logior #x80 (ldb (byte 6 6) ,code)))
+                       (emit (logior #x80 (ldb (byte 6 0) ,code))))
+                      (t
+                       (emit (logior #xF0 (ash ,code -18)))
+                       (emit (logior #x80 (ldb (byte 6 12) ,code)))
+                       (emit (logior #x80 (ldb (byte 6 6) ,code)))
+                       (emit (logior #x80 (ldb (byte 6 0) ,code)))))))))
+
+(defun encode-utf-8-into (string octets start)
+  "Write STRING's UTF-8 encoding into OCTETS from START, which has room for it."
+  (declare (type simple-string string) (type octets octets) (type fixnum start) (optimize speed))
+  (let ((position start))
+    (declare (type fixnum position))
+    (do-utf-8-octets (octet string)
+      (setf (aref octets position) octet)
+      (incf position))
+    octets))
+
+(defun utf-8-encodes-p (string octets start)
+  "True when the OCTETS from START to their end are STRING's UTF-8 encoding."
+  (declare (type simple-string string) (type octets octets) (type fixnum start) (optimize speed))
+  (let ((position start)
+        (end (length octets)))
+    (declare (type fixnum position))
+    (do-utf-8-octets (octet string)
+      (unless (and (< position end) (= octet (aref octets position)))
+        (return-from utf-8-encodes-p nil))
+      (incf position))
+    (= position end)))
