@@ -193,9 +193,9 @@ default): the budget every acceptor of the process shares, a quarter of
 SB-EXT:DYNAMIC-SPACE-SIZE.  A buffer that would pass it is not made: the
 websocket that needed it is closed 1013 (Try Again Later), a request body
 goes to its file; while the copies and heads counted as they came pass
-it, new requests get 503.  Until use falls below three quarters of it, the parked
-connections holding the most are closed (websockets with 1008).  Logged
-once an episode, counted in TASKMASTER-STATISTICS.")
+it, new requests get 503.  Until use falls below three quarters of it,
+the parked connections holding the most are closed (websockets with
+1008).  Logged once an episode, counted in TASKMASTER-STATISTICS.")
    (own-listen-socket
     :initform nil :accessor acceptor-own-listen-socket
     :documentation "The listening socket this acceptor's START-LISTENING

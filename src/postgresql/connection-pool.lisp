@@ -153,11 +153,12 @@ earlier statement, NIL and true, that connection closed with the idle ones."
     (let ((done nil) (cut nil))
       (unwind-protect
            (handler-bind ((error (lambda (condition)
-                                   (cond ((or cut (broken-connection-error-p condition)))
-                                         ((typep condition 'cl-postgres:database-error)
-                                          ;; The server refused the statement; cl-postgres
-                                          ;; syncs the connection as the error unwinds.
-                                          (setf done :refused)))
+                                   (when (and (not cut)
+                                              (typep condition 'cl-postgres:database-error)
+                                              (not (broken-connection-error-p condition)))
+                                     ;; The server refused the statement; cl-postgres
+                                     ;; syncs the connection as the error unwinds.
+                                     (setf done :refused))
                                    (when (and may-retry reused (not cut) (broken-connection-error-p condition))
                                      (drop-database-connection pool connection :idle-too t)
                                      (setf done :dropped)

@@ -85,7 +85,8 @@ down; the store's tables are made on the first connection if missing."
 
 (defun call-with-session-database (store function)
   "FUNCTION called with a connection of STORE's pool; its values.  Every
-error of the database or of cl-postgres signals SESSION-STORE-UNAVAILABLE.  cl-postgres's
+error of the database or of cl-postgres signals
+SESSION-STORE-UNAVAILABLE.  cl-postgres's
 warnings are muffled: it warns of each socket it could not close cleanly
 after the server went away, a failure the call reports already, each in a
 message-log entry of several lines."

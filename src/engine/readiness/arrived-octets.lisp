@@ -42,6 +42,12 @@ memory BUDGET; nothing when END is 0."
     (charge-memory budget end)
     (setf (connection-pending connection) (subseq buffer 0 end))))
 
+(defun drop-pending-bytes (connection budget)
+  "Forget CONNECTION's pending octets, if any, giving them back to BUDGET."
+  (let ((pending (shiftf (connection-pending connection) nil)))
+    (when pending
+      (release-memory budget (length pending)))))
+
 (defun take-pending-bytes (connection buffer budget)
   "Move CONNECTION's pending octets to the start of BUFFER, giving them
 back to BUDGET; their count."

@@ -10,9 +10,7 @@
   "Close CONNECTION, which the caller holds, and forget it.  Errors mean the
 client is gone already."
   (remove-connection set connection)
-  (let ((pending (shiftf (connection-pending connection) nil)))
-    (when pending
-      (release-memory (readiness-set-memory-budget set) (length pending))))
+  (drop-pending-bytes connection (readiness-set-memory-budget set))
   (when (connection-websocket connection)
     (end-websocket (connection-websocket connection)))
   (when (connection-outgoing connection)

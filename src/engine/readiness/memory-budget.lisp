@@ -89,8 +89,9 @@ fit under its limit; false, with nothing taken and the refusal counted
              nil))))
 
 (defun charge-memory (budget octets)
-  "Count OCTETS a handler already made, now kept on a client's behalf,
-against BUDGET, over its limit if need be (which begins an episode)."
+  "Count OCTETS made already (the engine's copy of a reply, a head that
+arrived), now kept on a client's behalf, against BUDGET, over its limit if
+need be (which begins an episode)."
   (let ((used (+ (atomic-add (memory-budget-used budget) octets) octets)))
     (note-memory-peak budget used)
     (when (> used (memory-budget-limit budget))

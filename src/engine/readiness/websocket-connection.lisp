@@ -205,10 +205,17 @@ what it is sent; with 1013 when the budget has no room for them."
 
 (defun drop-websocket-queue (websocket)
   "Let go of every frame waiting for WEBSOCKET, held by the caller."
-  (take-websocket-inbox websocket)
+  (mapc #'let-go-of-counted-octets (take-inbox-frames websocket))
   (dolist (piece (shiftf (websocket-queue websocket) '()))
     (let-go-of-counted-octets (piece-counted piece)))
   (setf (websocket-queue-tail websocket) '()))
+
+(defun drop-websocket-message (websocket)
+  "Forget WEBSOCKET's message so far, if any, giving its pieces back to the
+memory budget."
+  (let ((message (shiftf (websocket-message websocket) nil)))
+    (when message
+      (release-message message (readiness-set-memory-budget (websocket-set websocket))))))
 
 (defun send-websocket-queue (websocket)
   "Send what WEBSOCKET's QUEUE holds, after the frames of its INBOX, as far
@@ -355,9 +362,7 @@ which is logged."
         (linger-before-close (websocket-connection websocket)))
       (setf (websocket-state websocket) :closed)
       (drop-websocket-queue websocket)
-      (let ((message (shiftf (websocket-message websocket) nil)))
-        (when message
-          (release-message message (readiness-set-memory-budget set))))
+      (drop-websocket-message websocket)
       (count-websocket-close (readiness-set-counters set) code)
       (atomic-decrement (readiness-set-websocket-count set))
       (let ((resource (websocket-resource websocket))

@@ -1,11 +1,11 @@
 ;;;; A websocket message that arrives over several reads or frames: its
 ;;;; octets kept in pieces of at most +MESSAGE-PIECE-BYTES+, each no larger
 ;;;; than what its frame still announces (but 4 KiB at least) and taken
-;;;; from the memory budget before it is made, so that a message costs what has arrived of it
-;;;; (never twice its size, as a vector grown by doubling would), and a
-;;;; budget with no room refuses the piece instead of the heap.  Joined
-;;;; into one vector when the message is whole.  Only the connection's
-;;;; holder touches its message.
+;;;; from the memory budget before it is made, so that a message costs what
+;;;; has arrived of it (never twice its size, as a vector grown by doubling
+;;;; would), and a budget with no room refuses the piece instead of the
+;;;; heap.  Joined into one vector when the message is whole.  Only the
+;;;; connection's holder touches its message.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 

@@ -198,7 +198,7 @@ END octets having arrived in all, or begin reading its body."
          (framing nil)
          (framing-refusal nil))
     (cond ((memory-budget-exceeded-p (readiness-set-memory-budget (serving-set serving)))
-           ;; No new work while replies already made pass the budget.
+           ;; No new work while what was counted as it came passes the budget.
            (values :refuse :memory))
           ((and (assoc :transfer-encoding headers)
                 (not (hunchentoot:acceptor-input-chunking-p acceptor)))

@@ -200,10 +200,8 @@ when the memory budget had no room for them."
   "The last frame of WEBSOCKET's message has arrived, its payload the
 OCTETS from START below END: hand the message on, unless a text ends in
 the middle of a character (1007).  :CLOSE when the connection is to close."
-  (let ((opcode (websocket-message-opcode websocket))
-        (message (shiftf (websocket-message websocket) nil)))
-    (when message
-      (release-message message (readiness-set-memory-budget (websocket-set websocket))))
+  (let ((opcode (websocket-message-opcode websocket)))
+    (drop-websocket-message websocket)
     (setf (websocket-message-opcode websocket) nil)
     (if (and (= opcode +text-opcode+) (/= 0 (websocket-utf-8-state websocket)))
         (fail-websocket websocket 1007 "Invalid UTF-8")
@@ -257,36 +255,37 @@ the connection is to park (with the start of a frame head that arrived in
 part), :CLOSE when it is to close."
   (let* ((websocket (connection-websocket connection))
          (counters (websocket-counters websocket))
-         (buffer (serving-buffer serving))
-         (outcome
-           (loop initially (when (plusp end)
-                             ;; Frames that came with the upgrade request, or
-                             ;; a head that arrived in part.
-                             (let ((unread (read-frames websocket buffer end)))
-                               (when (eq unread :close)
-                                 (return :close))
-                               (replace buffer buffer :start2 unread :end2 end)
-                               (decf end unread)))
-                 repeat +websocket-reads-per-turn+
-                 do (let ((count (receive-bytes connection buffer end (length buffer))))
-                      (case count
-                        (:would-block (return :websocket))
-                        ((0 :error) (return (fail-websocket websocket 1006 "")))
-                        (t (incf end count)
-                           (atomic-add (connection-counters-websocket-octets-in counters) count)
-                           (setf (websocket-last-heard websocket) (get-internal-real-time)
-                                 (websocket-pinged-p websocket) nil)
-                           (let ((unread (read-frames websocket buffer end)))
-                             (when (eq unread :close)
-                               (return :close))
-                             (replace buffer buffer :start2 unread :end2 end)
-                             (decf end unread))
-                           (when (client-reads-slower-than-it-sends-p websocket)
-                             (return :websocket)))))
-                 finally (return :websocket))))
-    (when (eq outcome :websocket)
-      (keep-pending-bytes connection buffer end (readiness-set-memory-budget (serving-set serving))))
-    outcome))
+         (buffer (serving-buffer serving)))
+    (flet ((act-on-frames ()
+             ;; True when the connection is to close; else the start of a
+             ;; frame head that arrived in part is moved to the buffer's start.
+             (let ((unread (read-frames websocket buffer end)))
+               (or (eq unread :close)
+                   (progn (replace buffer buffer :start2 unread :end2 end)
+                          (decf end unread)
+                          nil)))))
+      (let ((outcome
+              ;; First the frames that came with the upgrade request, or a
+              ;; head that arrived in part.
+              (loop initially (when (and (plusp end) (act-on-frames))
+                                (return :close))
+                    repeat +websocket-reads-per-turn+
+                    do (let ((count (receive-bytes connection buffer end (length buffer))))
+                         (case count
+                           (:would-block (return :websocket))
+                           ((0 :error) (return (fail-websocket websocket 1006 "")))
+                           (t (incf end count)
+                              (atomic-add (connection-counters-websocket-octets-in counters) count)
+                              (setf (websocket-last-heard websocket) (get-internal-real-time)
+                                    (websocket-pinged-p websocket) nil)
+                              (when (act-on-frames)
+                                (return :close))
+                              (when (client-reads-slower-than-it-sends-p websocket)
+                                (return :websocket)))))
+                    finally (return :websocket))))
+        (when (eq outcome :websocket)
+          (keep-pending-bytes connection buffer end (readiness-set-memory-budget (serving-set serving))))
+        outcome))))
 
 (defun open-websocket (serving connection end)
   "Make CONNECTION, whose handshake was just answered 101, the websocket of
