@@ -11,6 +11,8 @@
 # make bench-scale         1, 2 and one-per-core processes on one port, and behind nginx
 # make bench-chunked-body  server CPU per MB of a request body sent in one-octet chunks, ours and Hunchentoot's
 # make bench-sessions    a handler reading and writing a session value, sessions in the process and in PostgreSQL
+# make bench-applications  the application cells alone (make bench ends with them): sessions, pages, a form, a
+#                          cookie, an easy-routes route; Hunchentoot's acceptor and ours
 # make bench-websockets  10,000 idle websockets, a broadcast, 1,000 echo clients for 60 s, a client that reads nothing; ours and hunchensocket
 # make bench-https       GET /yo over TLS, kept alive and a new TLS connection per request, ours, Hunchentoot's and nginx
 # make bench-threaded-floor  the 1 ms handler cells for a bare server of 100 threads, ours and nginx: what threads can do here
@@ -34,7 +36,7 @@ BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox pr
                  libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \
                  cl-trivial-gray-streams cl-alexandria cl-global-vars cl-trivial-garbage
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-https bench-websockets bench-threaded-floor bench-scheduling
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-applications bench-https bench-websockets bench-threaded-floor bench-scheduling
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -89,6 +91,9 @@ bench-chunked-body: bench-deps
 
 bench-sessions: bench-deps
 	bench/run sessions
+
+bench-applications: bench-deps
+	bench/run applications
 
 bench-https: bench-deps
 	bench/run https

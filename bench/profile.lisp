@@ -5,31 +5,47 @@
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
-(defun run-wrk (port connections seconds keep-alive-p)
-  "Run wrk against /yo on PORT; its output."
-  (wrk port (list :delay-ms 0 :close (not keep-alive-p) :connections connections) seconds))
+(defun run-wrk (port connections seconds keep-alive-p &optional cookie)
+  "Run wrk against /yo on PORT, or against /app/counter with the Cookie
+header COOKIE when given; its output."
+  (if cookie
+      (let ((script (application-wrk-script (uiop:default-temporary-directory) :cookie cookie)))
+        (unwind-protect
+             (uiop:run-program (list "wrk" "-t2" (format nil "-c~D" connections) (format nil "-d~Ds" seconds)
+                                     "--latency" "-s" (namestring script)
+                                     (format nil "http://127.0.0.1:~D/app/counter" port))
+                               :output :string :error-output :output :ignore-error-status t)
+          (delete-file script)))
+      (wrk port (list :delay-ms 0 :close (not keep-alive-p) :connections connections) seconds)))
 
-(defun run-profile (&key (connections 100) (seconds 10) (keep-alive-p t) (mode :cpu) (max-samples 40000))
+(defun run-profile (&key (connections 100) (seconds 10) (keep-alive-p t) (mode :cpu) (max-samples 40000)
+                         session-count)
   "Serve /yo with a PARALLEL-EASY-ACCEPTOR in this process, load it with wrk
 for SECONDS over CONNECTIONS connections (kept alive, or one request each),
 and print wrk's summary, bytes consed per request and sb-sprof's flat
 report of every thread, sampling in sb-sprof's MODE: :CPU for where the
-time goes, :ALLOC for where the bytes are consed.  True when wrk answered."
+time goes, :ALLOC for where the bytes are consed.  With SESSION-COUNT, the
+load is the application cells' returning user's session counter instead
+(GET /app/counter with its cookie, kept alive), among SESSION-COUNT
+sessions.  True when wrk answered."
   (let ((port (free-port)))
     (start-server :parallel port)
     (unwind-protect
-         (progn
+         (let ((cookie (and session-count (returning-user-cookie port))))
+           (when session-count
+             (fill-sessions port session-count))
            ;; Warm up: the first requests make the pool's threads.
-           (run-wrk port connections 2 keep-alive-p)
-           (let ((requests-before (counter-requests *counters*))
+           (run-wrk port connections 2 keep-alive-p cookie)
+           (let ((served-before (getf (hrt:taskmaster-statistics *acceptor*) :requests-served))
                  (consed-before (sb-ext:get-bytes-consed))
                  (wrk-output nil))
              (sb-sprof:with-profiling (:max-samples max-samples :mode mode :threads :all :report nil)
-               (setf wrk-output (run-wrk port connections seconds keep-alive-p)))
-             (let ((requests (- (counter-requests *counters*) requests-before)))
-               (format t "~&Cell: 0 ms handler, ~:[one request per connection~;keep-alive~], ~D connections, ~D s, ~(~A~) samples~%~
+               (setf wrk-output (run-wrk port connections seconds keep-alive-p cookie)))
+             (let ((requests (- (getf (hrt:taskmaster-statistics *acceptor*) :requests-served) served-before)))
+               (format t "~&Cell: ~:[0 ms handler~;~:*the session counter of a returning user among ~D sessions~], ~
+                          ~:[one request per connection~;keep-alive~], ~D connections, ~D s, ~(~A~) samples~%~
                           SBCL ~A, ~A~%~%~A~%Bytes consed per request (whole process): ~:[-~;~:*~D~]~%~%"
-                       keep-alive-p connections seconds mode (lisp-implementation-version) (machine-type)
+                       session-count keep-alive-p connections seconds mode (lisp-implementation-version) (machine-type)
                        wrk-output
                        (and (plusp requests) (round (- (sb-ext:get-bytes-consed) consed-before) requests)))
                (sb-sprof:report :type :flat :max 40 :stream *standard-output*)

@@ -14,7 +14,8 @@
                     (#:ws #:hunchentoot-recycling-websocket))
   (:export #:serve #:run-benchmarks #:run-comparison #:run-connection-load #:run-slow-readers-load #:run-slow-bodies-load
            #:run-tls-handshakes-load
-           #:run-profile #:run-perf-profile #:run-scale #:run-chunked-body-cost #:run-sessions #:run-https #:run-websockets))
+           #:run-profile #:run-perf-profile #:run-scale #:run-chunked-body-cost #:run-sessions #:run-applications #:run-https
+           #:run-websockets))
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 

@@ -38,33 +38,40 @@ in-process sessions."
 
 ;;; Which session a request presents.
 
-(defun ascii-digit-p (char)
-  (char<= #\0 char #\9))
-
-(defun hex-digit-p (char)
-  (or (ascii-digit-p char) (char<= #\a char #\f) (char<= #\A char #\F)))
-
 (defun parse-session-identifier (identifier)
   "The session id (an integer) and session string of the cookie value
 IDENTIFIER, \"ID:STRING\" as HUNCHENTOOT:SESSION-COOKIE-VALUE makes it, or
 NIL when it cannot be one: the id at most 40 ASCII digits, the string (an
 MD5 in hex, as Hunchentoot makes it) at most 128 hex digits.  So a forged
 cookie is told at once, and no client's bytes reach a session store."
-  (let ((colon (and (stringp identifier) (position #\: identifier))))
-    (when (and colon
-               (<= 1 colon 40)
-               (<= 1 (- (length identifier) colon 1) 128)
-               (every #'ascii-digit-p (subseq identifier 0 colon))
-               (every #'hex-digit-p (subseq identifier (1+ colon))))
-      (values (parse-integer identifier :end colon)
-              (subseq identifier (1+ colon))))))
+  (when (stringp identifier)
+    (let ((colon nil)
+          (end (length identifier)))
+      (with-string-kind (identifier)
+        (dotimes (index end)
+          (let ((char (char identifier index)))
+            (cond ((char= char #\:)
+                   (if colon (return-from parse-session-identifier nil) (setf colon index)))
+                  ((not (or (char<= #\0 char #\9)
+                            (and colon (or (char<= #\a char #\f) (char<= #\A char #\F)))))
+                   (return-from parse-session-identifier nil))))))
+      (when (and colon (<= 1 colon 40) (<= 1 (- end colon 1) 128))
+        (values (parse-integer identifier :end colon)
+                (subseq identifier (1+ colon)))))))
+
+(defun url-decoded-cookie (cookie)
+  "COOKIE URL-decoded as Hunchentoot's SESSION-VERIFY decodes it: itself
+when it is ASCII without % or +, which decoding leaves as they are."
+  (if (every (lambda (char) (and (< (char-code char) 128) (char/= char #\%) (char/= char #\+))) cookie)
+      cookie
+      (hunchentoot:url-decode cookie)))
 
 (defun presented-session-identifier (request acceptor)
   "The session cookie value REQUEST presents, or its GET parameter of that
 name, as Hunchentoot's SESSION-VERIFY looks for them."
   (let ((name (hunchentoot:session-cookie-name acceptor)))
     (or (let ((cookie (hunchentoot:cookie-in name request)))
-          (and cookie (hunchentoot:url-decode cookie)))
+          (and cookie (url-decoded-cookie cookie)))
         (hunchentoot:get-parameter name request))))
 
 (defun session-bound-to-client-p (session user-agent remote-addr)
@@ -75,19 +82,29 @@ under Hunchentoot's bindings of sessions to clients."
        (or (not hunchentoot:*use-remote-addr-for-sessions*)
            (equal (hunchentoot:session-remote-addr session) remote-addr))))
 
-(defun verify-in-process-session (request id string)
+(defun find-in-process-session (acceptor id)
+  "The session with the integer ID in ACCEPTOR's in-process session
+database, through its session index, unless it has expired; an expired one
+is removed, as Hunchentoot's own lookup does."
+  (let ((session (indexed-session (acceptor-session-index acceptor) (hunchentoot:session-db acceptor) id)))
+    (cond ((and session (hunchentoot:session-too-old-p session))
+           (when hunchentoot:*reply*
+             (hunchentoot:log-message* :info "Session with ID ~A too old" id))
+           (hunchentoot:remove-session session)
+           nil)
+          (t session))))
+
+(defun verify-in-process-session (request acceptor id string)
   "REQUEST's session among Hunchentoot's in-process sessions, as
 Hunchentoot's SESSION-VERIFY finds it, but a wrong STRING leaves the
 session with ID alone."
-  (let ((session (in-process-session id)))
+  (let ((session (find-in-process-session acceptor id)))
     (cond ((null session)
            (hunchentoot:log-message* :info "No session for the session cookie of a request from ~A"
                                      (hunchentoot:remote-addr request))
            nil)
-          ((and (string= string (session-string session))
-                (string= string (session-string-for id (hunchentoot:user-agent request)
-                                                    (hunchentoot:real-remote-addr request)
-                                                    (hunchentoot:session-start session))))
+          ((session-string-verified-p session string (hunchentoot:user-agent request)
+                                      (hunchentoot:real-remote-addr request))
            (setf (session-last-click session) (get-universal-time))
            session)
           (t
@@ -152,21 +169,28 @@ in its acceptor's store or in the process."
           (when id
             (if (acceptor-session-store acceptor)
                 (verify-stored-session request acceptor id string)
-                (verify-in-process-session request id string)))))))
+                (verify-in-process-session request acceptor id string)))))))
 
 ;;; Hunchentoot's session database, under a store.
 
 (defmethod hunchentoot:session-created ((acceptor parallel-acceptor) (session hunchentoot:session))
-  "Under a store, add the new SESSION to it (a STORED-SESSION from now on)
-before Hunchentoot's own counting of new sessions for SESSION-GC."
-  (when (acceptor-session-store acceptor)
-    (change-class session 'stored-session)
-    ;; Before the store writes them: when it cannot, the request is answered
-    ;; 503 and its session goes with it.
-    (setf (stored-fields session) (session-stored-fields session))
-    (with-session-store (store acceptor)
-      (add-stored-session store session)))
-  (call-next-method))
+  "Under a store, make the new SESSION a STORED-SESSION and add it to the
+store before Hunchentoot's own counting of new sessions for SESSION-GC.
+Without one, make it an IN-PROCESS-SESSION, which the session index can
+tell has been removed, and count it as Hunchentoot does, its SESSION-GC
+skipped while the index knows it would remove nothing."
+  (cond ((acceptor-session-store acceptor)
+         (change-class session 'stored-session)
+         ;; Before the store writes them: when it cannot, the request is answered
+         ;; 503 and its session goes with it.
+         (setf (stored-fields session) (session-stored-fields session))
+         (with-session-store (store acceptor)
+           (add-stored-session store session))
+         (call-next-method))
+        (t
+         (when (eq (class-of session) (find-class 'hunchentoot:session))
+           (change-class session 'in-process-session))
+         (collect-expired-sessions-when-due acceptor))))
 
 (defmethod hunchentoot:acceptor-remove-session ((acceptor parallel-acceptor) (session stored-session))
   "Remove SESSION from the store, then call the methods after this one."

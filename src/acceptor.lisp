@@ -214,7 +214,12 @@ session it names untouched.")
     :initarg :session-store-timeout :reader acceptor-session-store-timeout
     :documentation "Seconds each call to the session store may take (a
 connection from its pool included); a request whose session the store did
-not give in time is answered 503 when its handler uses the session."))
+not give in time is answered 503 when its handler uses the session.")
+   (session-index
+    :initform (make-session-index) :reader acceptor-session-index
+    :documentation "The index by id of the in-process session database
+that HUNCHENTOOT:SESSION-DB returns for the acceptor (sessions/session-index.lisp),
+unused under a SESSION-STORE."))
   (:default-initargs
    :taskmaster (make-instance 'recycling-taskmaster)
    :connection-engine :readiness-set

@@ -159,6 +159,13 @@ flexi-stream."
   "True when the current reply has a header NAME, NIL-valued or not."
   (hunchentoot::header-out-set-p name))
 
+(defun rewrite-urls-for-session (html)
+  "HTML with the current session's cookie value added to its links, as
+START-OUTPUT rewrites an HTML body: only when HUNCHENTOOT:*REWRITE-FOR-SESSION-URLS*
+is true and the request has a session but did not send its cookie; else
+HTML itself."
+  (hunchentoot::maybe-rewrite-urls-for-session html))
+
 (defun cookie-header-value (cookie)
   "The value of the Set-Cookie header Hunchentoot writes for COOKIE."
   (hunchentoot::stringify-cookie cookie))
@@ -203,7 +210,7 @@ SLOT-NAME besides its initarg or initform: :SCRIPT-NAME, :QUERY-STRING,
 
 ;;; Hunchentoot's sessions, for the session stores (sessions/): a session's
 ;;; fields that Hunchentoot does not export, a session made from a store's
-;;; row, and its own lookup and check of a session string.
+;;; row, and its own session string.
 
 (defun session-string (session)
   "The secret part of SESSION's cookie value, after the id and the colon."
@@ -243,11 +250,6 @@ ALLOCATE-INSTANCE, with every field Hunchentoot's session has set."
   (member slot-name '(hunchentoot::session-id hunchentoot::session-string hunchentoot::user-agent
                       hunchentoot::remote-addr hunchentoot::session-start hunchentoot::last-click
                       hunchentoot::session-data hunchentoot::max-time)))
-
-(defun in-process-session (id)
-  "The session with the integer ID in the in-process session database,
-unless it has expired; an expired one is removed, as Hunchentoot does."
-  (hunchentoot::get-stored-session id))
 
 (defun session-string-for (id user-agent remote-addr start)
   "The session string Hunchentoot makes for a session with ID, started at

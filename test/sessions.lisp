@@ -107,6 +107,57 @@ they name counts on untouched."
       ;; Four counter values would all be small; four random ids all under 2^64 once in 2^256.
       (is (some (lambda (id) (>= id (expt 2 64))) ids)))))
 
+;;; The session index (sessions/session-index.lisp): it must find what
+;;; Hunchentoot's list holds, whichever acceptor changed the list.
+
+(defun session-id-of (cookie)
+  (parse-integer cookie :end (position #\: cookie)))
+
+(defun new-session-cookie (server &optional (path "/test/session-count"))
+  "The cookie value of a session SERVER starts for GET PATH."
+  (let ((jar (make-instance 'drakma:cookie-jar)))
+    (http-get server path :cookie-jar jar)
+    (session-cookie jar)))
+
+(test sessions.in-process.index-follows-removals-under-any-acceptor
+  (with-server (ours (make-server 'parallel-easy-acceptor))
+    (with-server (theirs (make-server 'ht:easy-acceptor))
+      (let ((by-ours (new-session-cookie ours))
+            (by-theirs (new-session-cookie ours))
+            (started-by-theirs (new-session-cookie theirs))
+            (by-reset (new-session-cookie ours)))
+        ;; Sessions enough that the list is long, each seen by the index.
+        (loop repeat 20 do (new-session-cookie ours))
+        (dolist (cookie (list by-ours by-theirs started-by-theirs by-reset))
+          (is (eql 2 (count-with-cookie ours cookie)) "~A was not found" cookie))
+        (get-with-cookie ours "/test/session-remove" by-ours)
+        (is (eql 1 (count-with-cookie ours by-ours)) "a session removed under ours was found")
+        (get-with-cookie theirs "/test/session-remove" by-theirs)
+        (is (eql 1 (count-with-cookie ours by-theirs)) "a session removed under Hunchentoot's acceptor was found")
+        (is (eql 3 (count-with-cookie ours started-by-theirs)))
+        (get-with-cookie theirs "/test/session-remove" started-by-theirs)
+        (is (eql 1 (count-with-cookie ours started-by-theirs))
+            "a session Hunchentoot's acceptor started and removed was found")
+        (is (eql 3 (count-with-cookie ours by-reset)))
+        (ht:reset-sessions ours)
+        (is (eql 1 (count-with-cookie ours by-reset)) "a session RESET-SESSIONS removed was found")))))
+
+(test sessions.in-process.session-gc-removes-what-expired
+  "The GC every *SESSION-GC-FREQUENCY* new sessions, which the index skips
+while nothing can have expired, still removes a session whose max time was
+shortened after it started."
+  (with-server (server (make-server 'parallel-easy-acceptor))
+    (let* ((short (new-session-cookie server "/test/session-short"))
+           (live (new-session-cookie server))
+           (started (get-universal-time)))
+      (flet ((held-p (cookie) (assoc (session-id-of cookie) (ht:session-db server))))
+        (is (held-p short))
+        (is (wait-until (lambda () (> (get-universal-time) (+ started 2))) :timeout 5))
+        (loop repeat ht:*session-gc-frequency* do (new-session-cookie server))
+        (is (not (held-p short)) "SESSION-GC did not run, or left the expired session")
+        (is (held-p live) "SESSION-GC removed a live session")
+        (is (eql 2 (count-with-cookie server live)))))))
+
 ;;; A store for the tests: sessions in a hash table, which FAILING makes fail
 ;;; and STALL makes wait (on a semaphore nobody signals, for a deadline to end).
 

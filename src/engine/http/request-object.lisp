@@ -57,9 +57,20 @@ without error unparsed: parse it on first use."
   (declare (ignore class))
   (setf (slot-value request slot-name) (parse-query-string (hunchentoot:query-string request))))
 
+(defun request-cookies (headers)
+  "The cookies of a request with HEADERS, as its constructor sets them: its
+Cookie header's fields (COOKIE-HEADER-FIELDS), or :UNPARSED when that header
+is left to Hunchentoot's reading (on first use, which answers an error with
+400 as Hunchentoot's initializer does)."
+  (let ((header (cdr (assoc :cookie headers))))
+    (if header
+        (let ((fields (cookie-header-fields header)))
+          (if (eq fields :irregular) :unparsed fields))
+        '())))
+
 (defmethod slot-unbound (class (request parallel-request) (slot-name (eql 'hunchentoot:cookies-in)))
-  "The engine's request constructor leaves the Cookie header unparsed: parse
-it on first use."
+  "The engine's request constructor leaves an irregular Cookie header
+unparsed: parse it on first use, as Hunchentoot's initializer does."
   (declare (ignore class))
   (setf (slot-value request slot-name)
         (parse-cookie-header (cdr (assoc :cookie (hunchentoot:headers-in request))))))
@@ -273,7 +284,7 @@ without Hunchentoot's initializer, or NIL when it needs that initializer."
                                   content-stream method uri protocol
                                   script-name query-string
                                   (if query-string :unparsed '())
-                                  (if (assoc :cookie headers) :unparsed '()))))
+                                  (request-cookies headers))))
             (verify-plain-request-session request acceptor constructors)
             request))))))
 

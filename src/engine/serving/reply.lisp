@@ -145,14 +145,27 @@ and body leave in one send(2).")
         (setf (aref octets index) (char-code (char string index)))))
     octets))
 
+(defun url-rewrite-content-type-p (content-type)
+  "True when START-OUTPUT rewrites the links of a string body of
+CONTENT-TYPE for a session: it starts with one of
+HUNCHENTOOT:*CONTENT-TYPES-FOR-URL-REWRITE*, case counting."
+  (let ((content-type (or content-type "")))
+    (some (lambda (prefix)
+            (and (<= (length prefix) (length content-type))
+                 (string= prefix content-type :end2 (length prefix))))
+          hunchentoot:*content-types-for-url-rewrite*)))
+
 (defun reply-body (content)
   "CONTENT, a string or octets, as the body SEND-REPLY-PIECES sends: octets,
 or a string of at most +COALESCED-BODY-BYTES+ ASCII characters, whose codes
 are its octets, left as it is to be written with the head (no octets are
-made for it).  A string is encoded in the reply's external format, and the
+made for it).  A string is first rewritten for a session that came without
+its cookie, and then encoded in the reply's external format, and the
 charset added to a text content type, as START-OUTPUT does; an ASCII string
 in a format that writes ASCII as itself is not encoded by flexi-streams,
 whose generic encoder cost 2% of a 0 ms request."
+  (when (and (stringp content) (url-rewrite-content-type-p (hunchentoot:content-type*)))
+    (setf content (rewrite-urls-for-session content)))
   (if (stringp content)
       (let ((external-format (hunchentoot:reply-external-format*)))
         (setf (hunchentoot:content-type*)
@@ -165,14 +178,12 @@ whose generic encoder cost 2% of a 0 ms request."
 
 ;;; Writing it.
 
-(defun octets-reply-p (request content)
+(defun octets-reply-p (content)
   "True when the reply with CONTENT is written as octets: a string or octet
-body, headers not sent yet, no header stream to copy them to, and no HTML
-to rewrite for a cookie-less session."
+body, headers not sent yet and no header stream to copy them to."
   (and (or (stringp content) (typep content '(vector (unsigned-byte 8))))
        (not (headers-sent-p))
-       (null hunchentoot:*header-stream*)
-       (not (and (stringp content) hunchentoot:*rewrite-for-session-urls* (hunchentoot:session request)))))
+       (null hunchentoot:*header-stream*)))
 
 (defun push-reply-head (return-code headers head omitted)
   "Make HEAD, a REPLY-HEAD, RETURN-CODE's status line, the HEADERS (an
@@ -308,7 +319,7 @@ SEND-SWITCHING-PROTOCOLS-REPLY, as octets when OCTETS-REPLY-P, else by
 Hunchentoot's START-OUTPUT."
   (cond ((and (eql return-code hunchentoot:+http-switching-protocols+) *serving* (serving-upgrade *serving*))
          (send-switching-protocols-reply))
-        ((octets-reply-p request content)
+        ((octets-reply-p content)
          (send-octets-reply request return-code content))
         (t (hunchentoot-start-output return-code content))))
 
