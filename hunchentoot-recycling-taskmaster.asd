@@ -50,6 +50,7 @@ bytes, with acceptors that use it by default."
                                                    (:file "chunked-body")
                                                    (:file "cookie-header")
                                                    (:file "request-object")
+                                                   (:file "form-body")
                                                    (:file "reply-head")))
                (:module "engine/websocket" :serial t :components ((:file "utf-8")
                                                         (:file "frames")

@@ -171,6 +171,18 @@ in its acceptor's store or in the process."
                 (verify-stored-session request acceptor id string)
                 (verify-in-process-session request acceptor id string)))))))
 
+(defun collect-expired-sessions-when-due (acceptor)
+  "Hunchentoot's SESSION-CREATED: every *SESSION-GC-FREQUENCY* new
+sessions, HUNCHENTOOT:SESSION-GC, unless ACCEPTOR's session index knows that
+it would find no session too old."
+  (let ((frequency hunchentoot:*session-gc-frequency*)
+        (index (acceptor-session-index acceptor)))
+    (when (and frequency
+               (zerop (mod (1+ (sb-ext:atomic-incf (car **new-sessions**))) frequency))
+               (sessions-may-have-expired-p index (hunchentoot:session-db acceptor) (get-universal-time)))
+      (hunchentoot:session-gc)
+      (note-sessions-collected index (hunchentoot:session-db acceptor)))))
+
 ;;; Hunchentoot's session database, under a store.
 
 (defmethod hunchentoot:session-created ((acceptor parallel-acceptor) (session hunchentoot:session))

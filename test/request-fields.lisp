@@ -70,6 +70,14 @@ Hunchentoot's: served by Hunchentoot's own initializer and PROCESS-REQUEST."))
     (ht:start-session))
   (request-fields))
 
+(defun form-request (body &optional (content-type "application/x-www-form-urlencoded"))
+  "A POST to /test/fields with the form BODY, Latin-1, of CONTENT-TYPE."
+  (concatenate 'string
+               (crlf-lines "POST /test/fields?x=get HTTP/1.1" "Host: localhost"
+                           (format nil "Content-Type: ~A" content-type)
+                           (format nil "Content-Length: ~D" (length body)) "")
+               body))
+
 ;;; Session ids in these requests name no session: sessions are shared by
 ;;; every acceptor in the image, and a real id with a wrong string would be
 ;;; removed by whichever acceptor saw it first.
@@ -95,11 +103,16 @@ Hunchentoot's: served by Hunchentoot's own initializer and PROCESS-REQUEST."))
         (get-request "/test/fields" "Cookie: hunchentoot-session=987654321%3Aab%zz")
         (get-request "/test/fields?hunchentoot-session=987654321:no-such-session")
         (get-request "/test/fields?hunchentoot+session=987654321:x&%20hunchentoot-session=987654322:y")
-        (concatenate 'string
-                     (crlf-lines "POST /test/fields?x=get HTTP/1.1" "Host: localhost"
-                                 "Content-Type: application/x-www-form-urlencoded"
-                                 "Content-Length: 12" "")
-                     "x=post&y=%41")))
+        (form-request "x=post&y=%41")
+        ;; Read by FORM-FIELDS, and left by it to Hunchentoot's reading.
+        (form-request "a=1&b=+x+&c& n = v &d=e=f&&")
+        (form-request "&a=1")
+        (form-request "a=1&&b=2")
+        (form-request (format nil "a=caf~C" (code-char 233)))
+        (form-request "=v&a=")
+        (form-request "")
+        (form-request "a=1" "application/x-www-form-urlencoded; charset=utf-8")
+        (form-request "a=1" "Application/X-WWW-Form-Urlencoded")))
 
 (test request-fields.same-as-hunchentoot
   (check-same-replies *field-requests*))

@@ -200,18 +200,6 @@ is too old at the universal time NOW."
   "In its car, the sessions started under parallel acceptors without a
 store, counted as Hunchentoot counts new sessions for SESSION-GC.")
 
-(defun collect-expired-sessions-when-due (acceptor)
-  "Hunchentoot's SESSION-CREATED: every *SESSION-GC-FREQUENCY* new
-sessions, HUNCHENTOOT:SESSION-GC, unless ACCEPTOR's session index knows that
-it would find no session too old."
-  (let ((frequency hunchentoot:*session-gc-frequency*)
-        (index (acceptor-session-index acceptor)))
-    (when (and frequency
-               (zerop (mod (1+ (sb-ext:atomic-incf (car **new-sessions**))) frequency))
-               (sessions-may-have-expired-p index (hunchentoot:session-db acceptor) (get-universal-time)))
-      (hunchentoot:session-gc)
-      (note-sessions-collected index (hunchentoot:session-db acceptor)))))
-
 (defun forget-indexed-pair (index pair)
   "Let INDEX forget PAIR, a pair of a session that has left the database."
   (sb-thread:with-mutex ((session-index-mutex index))
