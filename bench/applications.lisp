@@ -6,8 +6,10 @@
 ;;;; of three fields, a handler that sets a cookie and an easy-routes route
 ;;;; with a parameter (easy-routes from ../shared/vendor, when there).  The
 ;;;; returning user is measured with a few sessions in the table, then again
-;;;; once it holds 100,000.  Woo is not raced here: it has none of
-;;;; Hunchentoot's sessions, easy handlers or routes to do the same work with.
+;;;; once it holds 100,000.  Woo (from ../shared/vendor, when there) is
+;;;; raced on the cells it can do the same work for, the plain handler and
+;;;; the page: it has none of Hunchentoot's sessions, easy handlers, form
+;;;; parameters or routes.
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
@@ -223,6 +225,32 @@ APPLICATION-CELLS in order, stop it.  An alist of cell name and wrk's figures."
                                (cons name (wrk-application-cell port path connections seconds script))))))
       (stop-server process))))
 
+(defparameter *woo-cells* '("plain c10" "plain c100" "5 KB page c100")
+  "The application cells Woo can do the same work for.")
+
+(defun measure-woo-applications (woo seconds directory)
+  "Start WOO (a peer built by BUILD-PEER-CORE) serving the page from a file,
+measure *WOO-CELLS*, stop it.  An alist as MEASURE-APPLICATIONS's."
+  (let ((port (free-port))
+        (page-file (merge-pathnames "page.html" directory)))
+    (with-open-file (out page-file :direction :output :if-exists :supersede)
+      (write-string *page* out))
+    (let ((process (launch-peer woo port 0 (namestring (merge-pathnames "applications-woo.log" directory)) page-file)))
+      (unwind-protect
+           (progn
+             (unless (wait-until-serving port)
+               (error "Woo did not answer GET /yo within 30 s"))
+             (unless (equal *page* (http-get port "/app/page"))
+               (error "Woo did not answer the page"))
+             (loop for (name path connections) in (application-cells)
+                   when (member name *woo-cells* :test #'string=)
+                     collect (progn
+                               (format t "~&  woo: ~A~%" name)
+                               (finish-output)
+                               (wrk-application-cell port path connections 1 nil)
+                               (cons name (wrk-application-cell port path connections seconds nil)))))
+        (stop-server process)))))
+
 (defun application-ratio (cells over under)
   "The requests/s of the cell named OVER as a fraction of the cell UNDER's, of CELLS."
   (ratio-to (getf (cdr (assoc over cells :test #'string=)) :requests-per-second)
@@ -234,22 +262,25 @@ cell's median requests/s."
   (loop for (name) in (first rounds)
         collect (cons name (median-cell (mapcar (lambda (round) (cdr (assoc name round :test #'string=))) rounds)))))
 
-(defun application-summary (hunchentoot ours rounds seconds)
-  "The markdown report of the median cells HUNCHENTOOT and OURS."
+(defun application-summary (hunchentoot ours woo rounds seconds)
+  "The markdown report of the median cells HUNCHENTOOT, OURS and WOO."
   (with-output-to-string (out)
     (format out "Application handlers, one server process each serving them all, wrk -t2 for ~D s a cell, ~
-                 the median of ~D round~:P (a round: Hunchentoot's process, then ours), in the order measured; ~
-                 the 100,000 sessions are started by START-SESSION before the first cell that names them:~%~%~
-                 | cell | Hunchentoot easy-acceptor | parallel-easy-acceptor | ours / Hunchentoot |~%~
-                 |---|---:|---:|---:|~%" seconds rounds)
-    (loop for (name . cell) in ours
-          for theirs = (cdr (assoc name hunchentoot :test #'string=))
-          do (format out "| ~A | ~:[-~;~:*~D~] | ~D | ~:[-~;~:*~Ax~] |~%" name
-                     (and theirs (round (getf theirs :requests-per-second)))
-                     (round (getf cell :requests-per-second))
-                     (let ((ratio (and theirs (ratio-to (getf cell :requests-per-second)
-                                                        (getf theirs :requests-per-second)))))
-                       (and ratio (ratio-text ratio)))))
+                 the median of ~D round~:P (a round: Hunchentoot's process, then ours~:[~;, then Woo's~]), in ~
+                 the order measured; the 100,000 sessions are started by START-SESSION before the first cell ~
+                 that names them:~%~%~
+                 | cell | Hunchentoot easy-acceptor | parallel-easy-acceptor | ours / Hunchentoot | Woo | ours / Woo |~%~
+                 |---|---:|---:|---:|---:|---:|~%" seconds rounds woo)
+    (flet ((rate (cell) (and cell (round (getf cell :requests-per-second))))
+           (ratio (over under)
+             (let ((ratio (and over under (ratio-to (getf over :requests-per-second)
+                                                    (getf under :requests-per-second)))))
+               (and ratio (ratio-text ratio)))))
+      (loop for (name . cell) in ours
+            for theirs = (cdr (assoc name hunchentoot :test #'string=))
+            for woos = (cdr (assoc name woo :test #'string=))
+            do (format out "| ~A | ~:[-~;~:*~D~] | ~D | ~:[-~;~:*~Ax~] | ~:[-~;~:*~D~] | ~:[-~;~:*~Ax~] |~%" name
+                       (rate theirs) (rate cell) (ratio cell theirs) (rate woos) (ratio cell woos))))
     (format out "~%Ours, each cell as a fraction of another of ours:~%~%| cell | of | fraction |~%|---|---|---:|~%")
     (loop for (over under) in '(("counter, returning user c10" "plain c10")
                                 ("counter, returning user c100" "plain c100")
@@ -271,16 +302,22 @@ cell's median requests/s."
   "Measure the application cells, ROUNDS rounds, and print the report;
 with DIRECTORY (a matrix run's), append it to its summary.md and write
 applications.md there.  True when every cell of ours answered only 2xx."
-  (let ((work (uiop:ensure-directory-pathname
-               (string-right-trim '(#\Newline) (uiop:run-program '("mktemp" "-d") :output :string)))))
+  (let* ((work (uiop:ensure-directory-pathname
+                (string-right-trim '(#\Newline) (uiop:run-program '("mktemp" "-d") :output :string))))
+         (woo-peer (find "woo" (available-peers) :key (lambda (peer) (getf peer :name)) :test #'string=))
+         (woo (and woo-peer (build-peer-core woo-peer (namestring work)))))
+    (unless woo-peer
+      (announce-missing-peers))
     (unwind-protect
          (let* ((measured (loop for round from 1 to rounds
                                 do (format t "~&Application cells, round ~D of ~D~%" round rounds)
                                 collect (list (measure-applications :hunchentoot seconds core work)
-                                              (measure-applications :parallel seconds core work))))
+                                              (measure-applications :parallel seconds core work)
+                                              (and woo (measure-woo-applications woo seconds work)))))
                 (hunchentoot (median-application-cells (mapcar #'first measured)))
                 (ours (median-application-cells (mapcar #'second measured)))
-                (report (application-summary hunchentoot ours rounds seconds)))
+                (woo-cells (and woo (median-application-cells (mapcar #'third measured))))
+                (report (application-summary hunchentoot ours woo-cells rounds seconds)))
            (format t "~&~%~A" report)
            (when directory
              (with-open-file (out (merge-pathnames "summary.md" directory) :direction :output :if-exists :append)

@@ -53,6 +53,42 @@
           (http-get server "/test/session-remove" :cookie-jar jar)
           (is (eql 0 (stored-row-count store)) "REMOVE-SESSION left its row"))))))
 
+;;; Round trips: each of the store's methods runs one statement.
+
+(defclass counting-postgresql-store (hunchentoot-recycling-taskmaster::postgresql-session-store)
+  ((calls :initform 0 :accessor store-calls))
+  (:documentation "The PostgreSQL store, counting the calls made to it, one statement each."))
+
+(defmethod find-stored-session :around ((store counting-postgresql-store) id string time)
+  (declare (ignore id string time))
+  (incf (store-calls store))
+  (call-next-method))
+
+(macrolet ((count-calls (&rest functions)
+             `(progn ,@(loop for function in functions
+                             collect `(defmethod ,function :around ((store counting-postgresql-store) argument)
+                                        (declare (ignore argument))
+                                        (incf (store-calls store))
+                                        (call-next-method))))))
+  (count-calls add-stored-session save-stored-session remove-stored-session expired-stored-sessions))
+
+(test postgresql-sessions.one-round-trip-when-unchanged-two-when-changed
+  (with-postgresql-cluster (cluster)
+    (let ((store (change-class (cluster-store cluster) 'counting-postgresql-store))
+          (jar (make-instance 'drakma:cookie-jar)))
+      (with-server (server (store-server store))
+        (http-get server "/test/session-count" :cookie-jar jar)
+        (flet ((calls-of (path)
+                 (setf (store-calls store) 0)
+                 (is (eql 200 (http-get server path :cookie-jar jar)))
+                 (store-calls store)))
+          (is (eql 1 (calls-of "/test/session-plain")) "a request whose session is unchanged")
+          (is (eql 2 (calls-of "/test/session-count")) "a request whose session changed")
+          (is (eql 0 (progn (setf (store-calls store) 0)
+                            (http-get server "/test/session-plain")
+                            (store-calls store)))
+              "a request without a session cookie"))))))
+
 ;;; The database stopped, or paused, under load.
 
 (defun session-client (server jar plain-p results lock stop)

@@ -158,6 +158,47 @@ shortened after it started."
         (is (held-p live) "SESSION-GC removed a live session")
         (is (eql 2 (count-with-cookie server live)))))))
 
+(ht:define-easy-handler (test-session-start-and-remove :uri "/test/session-start-and-remove") ()
+  (setf (ht:content-type*) "text/plain")
+  (ht:remove-session (ht:start-session))
+  "started and removed")
+
+(defun session-set-cookie-headers (class)
+  "The Set-Cookie headers an acceptor of CLASS sends through a session's
+life: started, counted, removed, its cookie presented again, removed again;
+started and removed in one request; a session of 1 s used after its time.
+Each session cookie value written as ID, as ids differ."
+  (with-server (server (make-server class))
+    (let ((headers '()))
+      (flet ((visit (path &optional cookie)
+               (let ((header (cdr (assoc :set-cookie
+                                         (nth-value 2 (drakma:http-request
+                                                       (format nil "http://127.0.0.1:~D~A" (ht:acceptor-port server) path)
+                                                       :additional-headers
+                                                       (and cookie (list (cons "Cookie" (format nil "hunchentoot-session=~A" cookie))))))))))
+                 (push (and header (cl-ppcre:regex-replace "=\\d+:[0-9A-F]+;" header "=ID;")) headers)
+                 (and header (cl-ppcre:register-groups-bind (value) ("=(\\d+:[0-9A-F]+);" header) value)))))
+        (let ((cookie (visit "/test/session-count")))
+          (visit "/test/session-count" cookie)
+          (visit "/test/session-remove" cookie)
+          (visit "/test/session-plain" cookie)
+          (visit "/test/session-remove" cookie))
+        (visit "/test/session-start-and-remove")
+        (let ((short (visit "/test/session-short"))
+              (started (get-universal-time)))
+          (wait-until (lambda () (> (get-universal-time) (+ started 2))) :timeout 5)
+          (visit "/test/session-plain" short)))
+      (nreverse headers))))
+
+(test sessions.in-process.set-cookie-headers-same-as-hunchentoots
+  "remove-session's deleted cookie, and every other session cookie, as on
+Hunchentoot's own acceptor."
+  (let ((theirs (session-set-cookie-headers 'ht:easy-acceptor))
+        (ours (session-set-cookie-headers 'parallel-easy-acceptor)))
+    (is (equal theirs ours))
+    (is (= 3 (count "hunchentoot-session=deleted; Expires=Mon, 01 Jan 1900 00:00:00 GMT; Path=/" ours :test #'equal))
+        "~S" ours)))
+
 ;;; A store for the tests: sessions in a hash table, which FAILING makes fail
 ;;; and STALL makes wait (on a semaphore nobody signals, for a deadline to end).
 

@@ -1,7 +1,8 @@
 ;;;; Woo as a benchmark peer (bench/driver.lisp's *PEERS*): loaded from
 ;;;; ../shared/vendor into an SBCL of its own, its core saved once per run,
 ;;;; and served with 2 workers, as Woo's own benchmark runs it.  GET /yo
-;;;; answers 200 text/plain "Hey!", after sleeping DELAY-MS when it is not 0.
+;;;; answers 200 text/plain "Hey!", after sleeping DELAY-MS when it is not 0;
+;;;; GET /app/page the application cells' HTML page, when given its file.
 
 (defpackage #:bench-peer
   (:use #:cl)
@@ -9,12 +10,16 @@
 
 (in-package #:bench-peer)
 
-(defun serve (port delay-ms)
-  "Serve GET /yo on 127.0.0.1:PORT until killed."
-  (let ((delay (and (plusp delay-ms) (/ delay-ms 1000))))
+(defun serve (port delay-ms &optional page-file)
+  "Serve GET /yo on 127.0.0.1:PORT until killed; with PAGE-FILE, GET
+/app/page answers that file's text as text/html, read once here, as the
+application cells' page handler answers its page."
+  (let ((delay (and (plusp delay-ms) (/ delay-ms 1000)))
+        (page (and page-file (uiop:read-file-string page-file))))
     (woo:run (lambda (environment)
-               (declare (ignore environment))
                (when delay
                  (sleep delay))
-               '(200 (:content-type "text/plain") ("Hey!")))
+               (if (and page (equal (getf environment :path-info) "/app/page"))
+                   `(200 (:content-type "text/html") (,page))
+                   '(200 (:content-type "text/plain") ("Hey!"))))
              :port port :address "127.0.0.1" :worker-num 2 :debug nil)))

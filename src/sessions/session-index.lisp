@@ -34,8 +34,9 @@
 ;;;;   while it would find nothing to remove: its walk of the whole list
 ;;;;   with a clock reading a session was 43% of a new visitor's request
 ;;;;   among 60,000 sessions (bench/profiles/2026-11-27-application-sessions.txt).
-;;;;   A click only delays a session's expiry; a max time set smaller
-;;;;   (HUNCHENTOOT:SESSION-MAX-TIME) makes every index's time unknown.
+;;;;   A click, or a longer max time, only delays a session's expiry; a
+;;;;   shorter one (HUNCHENTOOT:SESSION-MAX-TIME) makes every index's time
+;;;;   unknown until its next SESSION-GC.
 ;;;;
 ;;;; So a lookup answers as (ASSOC ID (SESSION-DB ACCEPTOR) :TEST #'=) does,
 ;;;; for every database Hunchentoot's session functions make.  A list
@@ -68,13 +69,16 @@ remembers the last session string it verified."))
 
 (sb-ext:defglobal **max-time-changes** (list 0)
   "In its car, how many times an IN-PROCESS-SESSION's max time has been
-set: an index whose earliest expiry was found at another count cannot
-trust it.")
+made shorter: an index whose earliest expiry was found at another count
+cannot trust it.")
 
-(defmethod (setf hunchentoot:session-max-time) :after (seconds (session in-process-session))
-  "Count the change, for the session indexes' earliest expiry."
-  (declare (ignore seconds))
-  (sb-ext:atomic-incf (car **max-time-changes**)))
+(defmethod (setf hunchentoot:session-max-time) :around (seconds (session in-process-session))
+  "Count the change when it shortens SESSION's max time, for the session
+indexes' earliest expiry; a longer one only delays its expiry."
+  (let ((before (hunchentoot:session-max-time session)))
+    (multiple-value-prog1 (call-next-method)
+      (when (< seconds before)
+        (sb-ext:atomic-incf (car **max-time-changes**))))))
 
 (defun session-expiry (session)
   "The universal time after which SESSION is too old, as
