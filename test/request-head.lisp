@@ -285,3 +285,16 @@ those it leaves to Hunchentoot include every one Hunchentoot refuses."
           (is (eq :irregular ours) "~S: Hunchentoot refuses it, ours read ~S" header ours))))
     ;; Most headers are read here, not left to Hunchentoot.
     (is (> read (* 2 left)) "~D read, ~D left to Hunchentoot" read left)))
+
+(test form-body.fields-as-hunchentoot-reads-them
+  "FORM-FIELDS reads what Hunchentoot's reading reads the same, and leaves
+the rest to it; a body of trailing &s ends at the first."
+  (flet ((fields (body) (hrt::form-fields body)))
+    (is (equal '(("a" . "1") ("b" . " x ") ("c" . "") ("n" . " v ") ("d" . "e=f"))
+               (fields "a=1&b=+x+&c& n = v &d=e=f&&")))
+    (is (equal '() (fields "")))
+    (is (equal '(("" . "v") ("a" . "")) (fields "=v&a=")))
+    (is (equal '(("a" . "A") ("e" . "ada@x.org") ("m" . "a, b%")) (fields "a=%41&e=ada%40x.org&m=a%2C+b%25")))
+    (dolist (irregular (list "&a=1" "a=1&&b=2" "a=%E9" "a=%zz" "a=%4" "a=%u0041" (format nil "a=caf~C" (code-char 233))))
+      (is (eq :irregular (fields irregular)) "~S" irregular))
+    (is (equal '(("a" . "1")) (fields (concatenate 'string "a=1" (make-string 100000 :initial-element #\&)))))))

@@ -15,39 +15,59 @@
 Hunchentoot reads as that type with the default external format."
   (and content-type (string-equal content-type "application/x-www-form-urlencoded")))
 
+(defun hex-digit-value (char)
+  "The value of CHAR as a hex digit, or NIL."
+  (digit-char-p char 16))
+
 (defun form-text (text start end)
   "The characters of TEXT from START below END, URL-decoded as Hunchentoot
-decodes a form's, or NIL when they hold a % or a character beyond ASCII
-(left to Hunchentoot's decoding)."
-  (let ((decoded (subseq text start end)))
-    (dotimes (index (length decoded) decoded)
-      (let ((char (char decoded index)))
-        (cond ((or (char= char #\%) (>= (char-code char) 128))
-               (return nil))
-              ((char= char #\+)
-               (setf (char decoded index) #\Space)))))))
+decodes a form's in an ASCII-compatible external format (+ a space, %XX
+the octet XX), or NIL when they hold a character beyond ASCII, a %-escape
+of an octet beyond it, or one that is not two hex digits (all left to
+Hunchentoot's decoding)."
+  (let ((decoded (make-string (- end start)))
+        (length 0)
+        (index start))
+    (loop while (< index end)
+          do (let ((char (char text index)))
+               (cond ((>= (char-code char) 128)
+                      (return-from form-text nil))
+                     ((char= char #\+)
+                      (setf char #\Space))
+                     ((char= char #\%)
+                      (let ((high (and (< (+ index 2) end) (hex-digit-value (char text (+ index 1)))))
+                            (low (and (< (+ index 2) end) (hex-digit-value (char text (+ index 2))))))
+                        (unless (and high low (< high 8))
+                          (return-from form-text nil))
+                        (setf char (code-char (+ (* 16 high) low)))
+                        (incf index 2))))
+               (setf (char decoded length) char)
+               (incf length)
+               (incf index)))
+    (subseq decoded 0 length)))
 
 (defun form-fields (body)
   "The alist of names and values of the form BODY (its octets as Latin-1
 characters), as Hunchentoot's reading makes it: fields split at &, trailing
-empty ones dropped, each split at its first =, names trimmed of spaces.
-:IRREGULAR when Hunchentoot must read it (an empty field before another, a
-%-escape, a character beyond ASCII)."
+empty ones dropped, each split at its first = and URL-decoded (FORM-TEXT),
+names trimmed of spaces.  :IRREGULAR when Hunchentoot must read it (an
+empty field before another, a field FORM-TEXT leaves to it)."
   (let ((fields '())
         (end (length body)))
     (loop for start = 0 then (1+ ampersand)
           for ampersand = (position #\& body :start start)
-          do (let ((field-end (or ampersand end)))
-               (cond ((< start field-end)
-                      (let* ((equals (position #\= body :start start :end field-end))
-                             (name (form-text body start (or equals field-end)))
-                             (value (if equals (form-text body (1+ equals) field-end) "")))
-                        (unless (and name value)
-                          (return-from form-fields :irregular))
-                        (push (cons (string-trim " " name) value) fields)))
-                     ;; An empty field: irregular unless only &s follow.
-                     ((find #\& body :start field-end :test #'char/=)
-                      (return-from form-fields :irregular))))
+          for field-end = (or ampersand end)
+          do (cond ((< start field-end)
+                    (let* ((equals (position #\= body :start start :end field-end))
+                           (name (form-text body start (or equals field-end)))
+                           (value (if equals (form-text body (1+ equals) field-end) "")))
+                      (unless (and name value)
+                        (return-from form-fields :irregular))
+                      (push (cons (string-trim " " name) value) fields)))
+                   ;; An empty field: the last but for empty ones, or irregular.
+                   ((find #\& body :start field-end :test #'char/=)
+                    (return-from form-fields :irregular))
+                   (t (loop-finish)))
           while ampersand)
     (nreverse fields)))
 
@@ -57,6 +77,7 @@ parameters before Hunchentoot's own method would, which then finds them
 read.  Only where Hunchentoot would read them (a method of
 HUNCHENTOOT:*METHODS-FOR-POST-PARAMETERS*, a Content-Length, none read yet)."
   (when (and (plain-form-content-type-p (hunchentoot:header-in :content-type request))
+             (ascii-compatible-format-p hunchentoot:*hunchentoot-default-external-format*)
              (member (hunchentoot:request-method request) hunchentoot:*methods-for-post-parameters*)
              (hunchentoot:header-in :content-length request)
              (null (slot-value request 'hunchentoot:post-parameters))
