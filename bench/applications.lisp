@@ -292,10 +292,12 @@ cell's median requests/s."
           for ratio = (application-ratio ours over under)
           when ratio
             do (format out "| ~A | ~A | ~A |~%" over under (ratio-text ratio)))
-    (let ((failures (loop for (name . cell) in (append hunchentoot ours)
-                          for errors = (+ (getf cell :non-2xx) (getf cell :connect-errors) (getf cell :read-errors)
-                                          (getf cell :write-errors) (getf cell :timeout-errors))
-                          when (plusp errors) collect (format nil "~A: ~D" name errors))))
+    (let ((failures (loop for (server cells) in (list (list "Hunchentoot" hunchentoot) (list "ours" ours) (list "Woo" woo))
+                          append (loop for (name . cell) in cells
+                                       for errors = (+ (getf cell :non-2xx) (getf cell :connect-errors)
+                                                       (getf cell :read-errors) (getf cell :write-errors)
+                                                       (getf cell :timeout-errors))
+                                       when (plusp errors) collect (format nil "~A, ~A: ~D" server name errors)))))
       (format out "~%Non-2xx answers and socket errors: ~:[none~;~:*~{~A~^; ~}~].~%" failures))))
 
 (defun run-applications (&key (seconds 3) (rounds 3) core (directory nil))
