@@ -183,6 +183,30 @@ it would find no session too old."
       (hunchentoot:session-gc)
       (note-sessions-collected index (hunchentoot:session-db acceptor)))))
 
+(sb-ext:defglobal **session-created-chain** nil
+  "The last answer of ONLY-HUNCHENTOOT-COUNTING-FOLLOWS-P: a list of
+HUNCHENTOOT:SESSION-CREATED's methods list, the acceptor's and the session's
+classes, and the answer for them.")
+
+(defun only-hunchentoot-counting-follows-p (acceptor session)
+  "True when the primary methods of HUNCHENTOOT:SESSION-CREATED that follow
+ours for ACCEPTOR and SESSION are Hunchentoot's own counting of new sessions
+alone, which COLLECT-EXPIRED-SESSIONS-WHEN-DUE then does in its place."
+  (let ((methods (generic-function-methods-list #'hunchentoot:session-created))
+        (acceptor-class (class-of acceptor))
+        (session-class (class-of session))
+        (last **session-created-chain**))
+    (if (and last (eq (first last) methods) (eq (second last) acceptor-class) (eq (third last) session-class))
+        (fourth last)
+        (let* ((generic-function #'hunchentoot:session-created)
+               (ours (find-method generic-function '() (list (find-class 'parallel-acceptor)
+                                                             (find-class 'hunchentoot:session))))
+               (hunchentoot-counting (find-method generic-function '() (list (find-class t) (find-class t))))
+               (answer (equal (primary-methods-after ours generic-function (list acceptor session))
+                              (list hunchentoot-counting))))
+          (setf **session-created-chain** (list methods acceptor-class session-class answer))
+          answer))))
+
 ;;; Hunchentoot's session database, under a store.
 
 (defmethod hunchentoot:session-created ((acceptor parallel-acceptor) (session hunchentoot:session))
@@ -202,7 +226,11 @@ skipped while the index knows it would remove nothing."
         (t
          (when (eq (class-of session) (find-class 'hunchentoot:session))
            (change-class session 'in-process-session))
-         (collect-expired-sessions-when-due acceptor))))
+         (if (only-hunchentoot-counting-follows-p acceptor session)
+             (collect-expired-sessions-when-due acceptor)
+             ;; A mixin's method after ours runs as it would; Hunchentoot's
+             ;; counting then runs at the end of the chain as it would.
+             (call-next-method)))))
 
 (defmethod hunchentoot:acceptor-remove-session ((acceptor parallel-acceptor) (session stored-session))
   "Remove SESSION from the store, then call the methods after this one."

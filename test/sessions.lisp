@@ -199,6 +199,24 @@ Hunchentoot's own acceptor."
     (is (= 3 (count "hunchentoot-session=deleted; Expires=Mon, 01 Jan 1900 00:00:00 GMT; Path=/" ours :test #'equal))
         "~S" ours)))
 
+(defclass session-noting-acceptor (ht:acceptor)
+  ((started :initform 0 :accessor sessions-noted))
+  (:documentation "A mixin of a user's with its own SESSION-CREATED method."))
+
+(defmethod ht:session-created ((acceptor session-noting-acceptor) session)
+  (incf (sessions-noted acceptor))
+  (call-next-method))
+
+(defclass parallel-then-session-noting (parallel-easy-acceptor session-noting-acceptor) ())
+
+(test sessions.in-process.session-created-of-a-mixin-after-ours-runs
+  (with-server (server (make-server 'parallel-then-session-noting))
+    (new-session-cookie server)
+    (new-session-cookie server)
+    (is (eql 2 (sessions-noted server)))
+    (let ((cookie (new-session-cookie server)))
+      (is (eql 2 (count-with-cookie server cookie)) "the session was not kept"))))
+
 ;;; A store for the tests: sessions in a hash table, which FAILING makes fail
 ;;; and STALL makes wait (on a semaphore nobody signals, for a deadline to end).
 
