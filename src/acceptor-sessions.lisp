@@ -171,6 +171,10 @@ in its acceptor's store or in the process."
                 (verify-stored-session request acceptor id string)
                 (verify-in-process-session request acceptor id string)))))))
 
+(sb-ext:defglobal **new-sessions** (list 0)
+  "In its car, the sessions started under parallel acceptors without a
+store, counted as Hunchentoot counts new sessions for SESSION-GC.")
+
 (defun collect-expired-sessions-when-due (acceptor)
   "Hunchentoot's SESSION-CREATED: every *SESSION-GC-FREQUENCY* new
 sessions, HUNCHENTOOT:SESSION-GC, unless ACCEPTOR's session index knows that

@@ -156,9 +156,11 @@ holds, the oldest first; second value, true when one held was met."
        (values new (not (null tail))))))
 
 (defun follow-database (index database)
-  "Bring INDEX up to DATABASE, a list other than the one it last saw: index
-its pairs up to the first already held; anew when none is, or when the
-table has grown to twice what it held when last indexed anew."
+  "Bring INDEX up to DATABASE when it is another list than the one it last
+saw: index its pairs up to the first already held; anew when none is, or
+when the table has grown to twice what it held when last indexed anew."
+  (when (eq database (session-index-database index))
+    (return-from follow-database))
   (let ((pairs (session-index-pairs index)))
     (multiple-value-bind (new held-met) (unheld-front pairs database)
       (if (and (not held-met) (plusp (hash-table-count pairs)))
@@ -178,16 +180,14 @@ table has grown to twice what it held when last indexed anew."
   "The pair of the session with ID that INDEX holds once brought up to
 DATABASE, or NIL."
   (sb-thread:with-mutex ((session-index-mutex index))
-    (unless (eq database (session-index-database index))
-      (follow-database index database))
+    (follow-database index database)
     (gethash id (session-index-pairs index))))
 
 (defun sessions-may-have-expired-p (index database now)
   "True unless INDEX, brought up to DATABASE, knows that no session of it
 is too old at the universal time NOW."
   (sb-thread:with-mutex ((session-index-mutex index))
-    (unless (eq database (session-index-database index))
-      (follow-database index database))
+    (follow-database index database)
     (let ((earliest (session-index-earliest-expiry index)))
       (or (/= (session-index-max-time-changes index) (car **max-time-changes**))
           (and earliest (< earliest now))
@@ -196,13 +196,8 @@ is too old at the universal time NOW."
 (defun note-sessions-collected (index database)
   "Bring INDEX up to DATABASE, as SESSION-GC has just left it."
   (sb-thread:with-mutex ((session-index-mutex index))
-    (unless (eq database (session-index-database index))
-      (follow-database index database))
+    (follow-database index database)
     (find-earliest-expiry index database)))
-
-(sb-ext:defglobal **new-sessions** (list 0)
-  "In its car, the sessions started under parallel acceptors without a
-store, counted as Hunchentoot counts new sessions for SESSION-GC.")
 
 (defun forget-indexed-pair (index pair)
   "Let INDEX forget PAIR, a pair of a session that has left the database."
