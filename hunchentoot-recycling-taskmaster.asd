@@ -45,6 +45,7 @@ bytes, with acceptors that use it by default."
                                                    (:file "known-names")
                                                    (:file "authority")
                                                    (:file "request-head")
+                                                   (:file "octets-input-stream")
                                                    (:file "refusal-replies")
                                                    (:file "chunk-framing")
                                                    (:file "chunked-body")

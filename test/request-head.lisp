@@ -286,10 +286,34 @@ those it leaves to Hunchentoot include every one Hunchentoot refuses."
     ;; Most headers are read here, not left to Hunchentoot.
     (is (> read (* 2 left)) "~D read, ~D left to Hunchentoot" read left)))
 
+(test octets-input-stream.reads-its-octets-as-a-file-would
+  "An OCTETS-INPUT-STREAM reads the octets of its vector from START below
+END, by the octet, by sequence and through a flexi-stream, and positions
+count from START."
+  (let* ((octets (map 'hrt::octets #'char-code "xxhello, worldyy"))
+         (stream (hrt::make-octets-input-stream octets :start 2 :end 14)))
+    (is (equal '(unsigned-byte 8) (stream-element-type stream)))
+    (is (= (char-code #\h) (read-byte stream)))
+    (is (= 1 (file-position stream)))
+    (let ((into (make-array 8 :element-type '(unsigned-byte 8) :initial-element 0)))
+      (is (= 8 (read-sequence into stream :start 2)))
+      (is (equal "ello, " (map 'string #'code-char (subseq into 2)))))
+    (is (listen stream))
+    (let ((rest (make-array 10 :element-type '(unsigned-byte 8))))
+      (is (= 5 (read-sequence rest stream)))
+      (is (equal "world" (map 'string #'code-char (subseq rest 0 5)))))
+    (is (not (listen stream)))
+    (is (eq :end (read-byte stream nil :end)))
+    (is (file-position stream 0))
+    (is (equal "hello, world" (read-line (flex:make-flexi-stream stream :external-format :latin-1))))
+    (is (not (file-position stream 13)))
+    (is (file-position stream :end))
+    (is (= 12 (file-position stream)))))
+
 (test form-body.fields-as-hunchentoot-reads-them
   "FORM-FIELDS reads what Hunchentoot's reading reads the same, and leaves
 the rest to it; a body of trailing &s ends at the first."
-  (flet ((fields (body) (hrt::form-fields body)))
+  (flet ((fields (body) (hrt::form-fields (map 'hrt::octets #'char-code body))))
     (is (equal '(("a" . "1") ("b" . " x ") ("c" . "") ("n" . " v ") ("d" . "e=f"))
                (fields "a=1&b=+x+&c& n = v &d=e=f&&")))
     (is (equal '() (fields "")))

@@ -145,7 +145,7 @@ refused with."
     (if file
         (progn (close file)
                (setf (arriving-body-file body) (open (arriving-body-path body) :element-type '(unsigned-byte 8))))
-        (flex:make-in-memory-input-stream (arriving-body-octets body) :end (arriving-body-fill body)))))
+        (make-octets-input-stream (arriving-body-octets body) :end (arriving-body-fill body)))))
 
 (defun discard-arriving-body (set connection)
   "Forget CONNECTION's ARRIVING-BODY, removing its temporary file."

@@ -14,19 +14,12 @@ closing boundary -- meets the end of the body, not the next request's
 octets or the socket.  Second value: the in-memory stream of a chunked
 body's octets in BUFFER, or NIL."
   (if chunked-p
-      (let* ((buffered (and (< start end) (flex:make-in-memory-input-stream buffer :start start :end end)))
+      (let* ((buffered (and (< start end) (make-octets-input-stream buffer :start start :end end)))
              (input (if buffered (make-concatenated-stream buffered stream) stream)))
         (values (make-chunked-body-stream (if buffered (make-two-way-stream input stream) stream)
                                           (acceptor-max-body-bytes hunchentoot:*acceptor*))
                 buffered))
-      (values (flex:make-in-memory-input-stream buffer :start start :end end) nil)))
-
-(defun unread-octets (in-memory-stream)
-  (let ((octets (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer 0)))
-    (loop for octet = (read-byte in-memory-stream nil)
-          while octet
-          do (vector-push-extend octet octets))
-    octets))
+      (values (make-octets-input-stream buffer :start start :end end) nil)))
 
 (defun drain-stream-buffer (stream buffer start)
   "Move the octets STREAM has read ahead of the request body into BUFFER from
@@ -43,11 +36,13 @@ read through the in-memory stream BUFFERED and the connection's stream,
 which hold the octets past it; otherwise the next request begins at
 NEXT-START, past the head and its Content-Length body."
   (cond (chunked-p
-         (let ((unread (if buffered (unread-octets buffered) #())))
-           (replace buffer unread)
+         ;; The octets of BUFFERED not read are in BUFFER itself.
+         (let ((unread (if buffered (- (stream-end buffered) (stream-index buffered)) 0)))
+           (when buffered
+             (replace buffer buffer :start2 (stream-index buffered) :end2 (stream-end buffered)))
            (if (plain-connection-p connection)
-               (drain-stream-buffer (connection-stream connection) buffer (length unread))
-               (length unread))))
+               (drain-stream-buffer (connection-stream connection) buffer unread)
+               unread)))
         (t
          (replace buffer buffer :start2 next-start :end2 end)
          (- end next-start))))

@@ -5,8 +5,8 @@
 ;;;; regular expressions and decodes every name and value through
 ;;;; flexi-streams: 47% of the server's time for a POST of three fields
 ;;;; (bench/profiles/2026-11-27-application-sessions.txt).  Anything else --
-;;;; a Content-Type with parameters, an empty field between others, a field
-;;;; with a %-escape or a character beyond ASCII -- is left to Hunchentoot.
+;;;; a Content-Type with parameters, an empty field between others, an octet
+;;;; beyond ASCII, plain or %-escaped -- is left to Hunchentoot.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -15,60 +15,66 @@
 Hunchentoot reads as that type with the default external format."
   (and content-type (string-equal content-type "application/x-www-form-urlencoded")))
 
-(defun hex-digit-value (char)
-  "The value of CHAR as a hex digit, or NIL."
-  (digit-char-p char 16))
+(defun hex-digit-value (octet)
+  "The value of the ASCII character OCTET as a hex digit, or NIL."
+  (digit-char-p (code-char octet) 16))
 
-(defun form-text (text start end)
-  "The characters of TEXT from START below END, URL-decoded as Hunchentoot
+(defun form-text (octets start end)
+  "The characters of OCTETS from START below END, URL-decoded as Hunchentoot
 decodes a form's in an ASCII-compatible external format (+ a space, %XX
-the octet XX), or NIL when they hold a character beyond ASCII, a %-escape
-of an octet beyond it, or one that is not two hex digits (all left to
-Hunchentoot's decoding)."
+the octet XX), or NIL when they hold an octet beyond ASCII, a %-escape of
+one, or one that is not two hex digits (all left to Hunchentoot's
+decoding)."
+  (declare (type octets octets) (type fixnum start end))
   (let ((decoded (make-string (- end start)))
         (length 0)
         (index start))
+    (declare (type fixnum length index))
     (loop while (< index end)
-          do (let ((char (char text index)))
-               (cond ((>= (char-code char) 128)
+          do (let ((octet (aref octets index)))
+               (cond ((>= octet 128)
                       (return-from form-text nil))
-                     ((char= char #\+)
-                      (setf char #\Space))
-                     ((char= char #\%)
-                      (let ((high (and (< (+ index 2) end) (hex-digit-value (char text (+ index 1)))))
-                            (low (and (< (+ index 2) end) (hex-digit-value (char text (+ index 2))))))
+                     ((= octet #.(char-code #\+))
+                      (setf octet #.(char-code #\Space)))
+                     ((= octet #.(char-code #\%))
+                      (let ((high (and (< (+ index 2) end) (hex-digit-value (aref octets (+ index 1)))))
+                            (low (and (< (+ index 2) end) (hex-digit-value (aref octets (+ index 2))))))
                         (unless (and high low (< high 8))
                           (return-from form-text nil))
-                        (setf char (code-char (+ (* 16 high) low)))
+                        (setf octet (+ (* 16 high) low))
                         (incf index 2))))
-               (setf (char decoded length) char)
+               (setf (schar decoded length) (code-char octet))
                (incf length)
                (incf index)))
-    (subseq decoded 0 length)))
+    ;; Only %-escapes make the text shorter than its octets.
+    (if (= length (- end start)) decoded (subseq decoded 0 length))))
 
-(defun form-fields (body)
-  "The alist of names and values of the form BODY (its octets as Latin-1
-characters), as Hunchentoot's reading makes it: fields split at &, trailing
-empty ones dropped, each split at its first = and URL-decoded (FORM-TEXT),
-names trimmed of spaces.  :IRREGULAR when Hunchentoot must read it (an
-empty field before another, a field FORM-TEXT leaves to it)."
+(defun form-fields (octets)
+  "The alist of names and values of the form body OCTETS, as Hunchentoot's
+reading makes it: fields split at &, trailing empty ones dropped, each
+split at its first = and URL-decoded (FORM-TEXT), names trimmed of spaces.
+:IRREGULAR when Hunchentoot must read it (an empty field before another,
+a field FORM-TEXT leaves to it)."
+  (declare (type octets octets))
   (let ((fields '())
-        (end (length body)))
-    (loop for start = 0 then (1+ ampersand)
-          for ampersand = (position #\& body :start start)
-          for field-end = (or ampersand end)
-          do (cond ((< start field-end)
-                    (let* ((equals (position #\= body :start start :end field-end))
-                           (name (form-text body start (or equals field-end)))
-                           (value (if equals (form-text body (1+ equals) field-end) "")))
-                      (unless (and name value)
-                        (return-from form-fields :irregular))
-                      (push (cons (string-trim " " name) value) fields)))
-                   ;; An empty field: the last but for empty ones, or irregular.
-                   ((find #\& body :start field-end :test #'char/=)
-                    (return-from form-fields :irregular))
-                   (t (loop-finish)))
-          while ampersand)
+        (end (length octets)))
+    (flet ((next (char start &optional (end end))
+             (octet-position (char-code char) octets start end)))
+      (loop for start = 0 then (1+ ampersand)
+            for ampersand = (next #\& start)
+            for field-end = (or ampersand end)
+            do (cond ((< start field-end)
+                      (let* ((equals (next #\= start field-end))
+                             (name (form-text octets start (or equals field-end)))
+                             (value (if equals (form-text octets (1+ equals) field-end) "")))
+                        (unless (and name value)
+                          (return-from form-fields :irregular))
+                        (push (cons (string-trim " " name) value) fields)))
+                     ;; An empty field: the last but for empty ones, or irregular.
+                     ((find (char-code #\&) octets :start field-end :test #'/=)
+                      (return-from form-fields :irregular))
+                     (t (loop-finish)))
+            while ampersand))
     (nreverse fields)))
 
 (defmethod hunchentoot:post-parameters :before ((request parallel-request))
@@ -76,12 +82,14 @@ empty field before another, a field FORM-TEXT leaves to it)."
 parameters before Hunchentoot's own method would, which then finds them
 read.  Only where Hunchentoot would read them (a method of
 HUNCHENTOOT:*METHODS-FOR-POST-PARAMETERS*, a Content-Length, none read yet)."
-  (when (and (plain-form-content-type-p (hunchentoot:header-in :content-type request))
+  (when (and (null (slot-value request 'hunchentoot:post-parameters))
+             (null (slot-value request 'hunchentoot:raw-post-data))
+             (plain-form-content-type-p (hunchentoot:header-in :content-type request))
              (ascii-compatible-format-p hunchentoot:*hunchentoot-default-external-format*)
              (member (hunchentoot:request-method request) hunchentoot:*methods-for-post-parameters*)
-             (hunchentoot:header-in :content-length request)
-             (null (slot-value request 'hunchentoot:post-parameters))
-             (null (slot-value request 'hunchentoot:raw-post-data)))
-    (let ((fields (form-fields (hunchentoot:raw-post-data :request request :external-format :latin-1))))
+             (hunchentoot:header-in :content-length request))
+    (let* ((octets (hunchentoot:raw-post-data :request request :force-binary t))
+           ;; Hunchentoot reads no body of Content-Length 0.
+           (fields (if (typep octets 'octets) (form-fields octets) :irregular)))
       (unless (eq fields :irregular)
         (setf (slot-value request 'hunchentoot:post-parameters) fields)))))
