@@ -1,6 +1,7 @@
 ;;;; ASDF systems: the library, its tests, its benchmarks.
 
 (defsystem "hunchentoot-recycling-taskmaster"
+  :author "The hunchentoot-recycling-taskmaster authors"
   :description "A Hunchentoot taskmaster whose pooled worker threads share an
 epoll readiness set of the listening socket and every connection waiting for
 bytes, with acceptors that use it by default."
@@ -18,6 +19,7 @@ bytes, with acceptors that use it by default."
                                                 (:file "sbcl-epoll")
                                                 (:file "sbcl-sockets")
                                                 (:file "sbcl-files")
+                                                (:file "proc-stat")
                                                 (:file "sbcl-clock")
                                                 (:file "sbcl-deadlines")
                                                 (:file "sbcl-random")
@@ -45,6 +47,7 @@ bytes, with acceptors that use it by default."
                                                    (:file "known-names")
                                                    (:file "authority")
                                                    (:file "request-head")
+                                                   (:file "conditional-headers")
                                                    (:file "octets-input-stream")
                                                    (:file "refusal-replies")
                                                    (:file "chunk-framing")
@@ -78,15 +81,18 @@ bytes, with acceptors that use it by default."
                                                       (:file "form-body")
                                                       (:file "request-cycle")
                                                       (:file "websocket-turn")
-                                                      (:file "connections")
-                                                      (:file "engine-protocol")))
+                                                      (:file "connections")))
+               (:file "engine/readiness-engine")
                (:file "websocket-sending")
                (:file "acceptor-sessions")
                (:file "static-files")
+               (:file "document-root")
                (:file "metrics"))
   :in-order-to ((test-op (test-op "hunchentoot-recycling-taskmaster/test"))))
 
 (defsystem "hunchentoot-recycling-taskmaster/postgresql"
+  :author "The hunchentoot-recycling-taskmaster authors"
+  :version "0.1.0"
   :description "A session store in PostgreSQL shared by every process and
 machine that uses the database: MAKE-POSTGRESQL-SESSION-STORE, for a parallel
 acceptor's :SESSION-STORE."
@@ -100,12 +106,18 @@ acceptor's :SESSION-STORE."
                (:file "postgresql-store")))
 
 (defsystem "hunchentoot-recycling-taskmaster/postgresql-cluster"
+  :author "The hunchentoot-recycling-taskmaster authors"
+  :license "BSD-2-Clause"
+  :version "0.1.0"
   :description "A throwaway PostgreSQL cluster, for the tests and the benchmark."
   :depends-on ((:require "sb-posix"))
   :pathname "tools/"
   :components ((:file "postgresql-cluster")))
 
 (defsystem "hunchentoot-recycling-taskmaster/test"
+  :author "The hunchentoot-recycling-taskmaster authors"
+  :license "BSD-2-Clause"
+  :version "0.1.0"
   :description "FiveAM tests: one HTTP behaviour suite and Hunchentoot's
 extension points run against Hunchentoot's easy-acceptor and ours, the
 thread-pool tests, the readiness engine over the wire, and STOP under load."
@@ -150,6 +162,9 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (error "hunchentoot-recycling-taskmaster: tests failed"))))
 
 (defsystem "hunchentoot-recycling-taskmaster/compatibility"
+  :author "The hunchentoot-recycling-taskmaster authors"
+  :license "BSD-2-Clause"
+  :version "0.1.0"
   :description "The libraries users mix in -- easy-routes, Clack's Hunchentoot
 handler, hunchensocket -- listed before and after a parallel acceptor,
 against Hunchentoot's acceptor in the same place; and Hunchentoot's own
@@ -162,6 +177,9 @@ confidence test against both.  Needs their unchanged sources
                (:file "confidence-script")))
 
 (defsystem "hunchentoot-recycling-taskmaster/bench"
+  :author "The hunchentoot-recycling-taskmaster authors"
+  :license "BSD-2-Clause"
+  :version "0.1.0"
   :description "Benchmark servers started in their own process by bench/run,
 the wrk matrix that measures them, and the many-connection loads."
   :depends-on ("hunchentoot-recycling-taskmaster" "hunchentoot-recycling-taskmaster/postgresql"
@@ -186,6 +204,9 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "scheduling")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
+  :author "The hunchentoot-recycling-taskmaster authors"
+  :license "BSD-2-Clause"
+  :version "0.1.0"
   :description "The demo server that `make run` starts."
   :depends-on ("hunchentoot-recycling-taskmaster" "hunchentoot-recycling-taskmaster/postgresql"
                (:require "sb-posix"))

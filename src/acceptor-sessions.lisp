@@ -1,6 +1,10 @@
 ;;;; Hunchentoot's session API under a parallel acceptor: sessions in the
 ;;;; process, as Hunchentoot keeps them, or in the acceptor's SESSION-STORE
-;;;; (sessions/session-store.lisp says how a store is used).
+;;;; (sessions/session-store.lisp says how a store is used).  Where they live
+;;;; is an object, the acceptor's ACCEPTOR-SESSIONS: an IN-PROCESS-SESSIONS or
+;;;; the store.  Each of Hunchentoot's session generic functions below asks it
+;;;; through one generic function of the protocol that follows, with a
+;;;; function that runs the methods after ours.
 ;;;;
 ;;;; Under both, a session id is 128 random bits from the kernel (not a
 ;;;; process-wide counter), and a cookie naming a session with a wrong session
@@ -25,16 +29,43 @@ RANDOM, with a warning)."
         (setf hunchentoot:*session-secret* (format nil "~36R" (kernel-random-integer 128))))))
   (kernel-random-integer 128))
 
+;;; Where the sessions live.
+
+(defgeneric check-request-class (sessions request-class)
+  (:documentation "Signal INVALID-ACCEPTOR-CONFIGURATION unless requests of
+REQUEST-CLASS can find their sessions in SESSIONS."))
+
+(defgeneric find-presented-session (sessions request acceptor id string)
+  (:documentation "The session REQUEST presents (its id ID, its session
+string STRING) among SESSIONS, or NIL; a wrong STRING leaves that session
+alone.  Under a store that does not answer, an UNREACHABLE-SESSION."))
+
+(defgeneric add-new-session (sessions acceptor session continue)
+  (:documentation "Keep SESSION, just started under ACCEPTOR, in SESSIONS,
+calling CONTINUE (the methods of HUNCHENTOOT:SESSION-CREATED after ours)
+where Hunchentoot's own would still run."))
+
+(defgeneric sessions-database (sessions acceptor continue)
+  (:documentation "What HUNCHENTOOT:SESSION-DB returns for ACCEPTOR;
+CONTINUE returns Hunchentoot's in-process database."))
+
+(defgeneric sessions-database-lock (sessions acceptor continue)
+  (:documentation "What HUNCHENTOOT:SESSION-DB-LOCK returns for ACCEPTOR;
+CONTINUE returns Hunchentoot's lock."))
+
+(defgeneric replace-sessions-database (sessions acceptor database continue)
+  (:documentation "Do what (SETF HUNCHENTOOT:SESSION-DB) of DATABASE does
+for ACCEPTOR; CONTINUE sets Hunchentoot's in-process database."))
+
+(defgeneric call-handler-with-sessions (sessions acceptor continue)
+  (:documentation "Run the request's handler, CONTINUE (the methods of
+HUNCHENTOOT:HANDLE-REQUEST after ours), and what SESSIONS needs around it;
+its values."))
+
 (defmethod hunchentoot:start :before ((acceptor parallel-acceptor))
-  "Refuse to start with a session store and a request class whose
-HUNCHENTOOT:SESSION-VERIFY is not ours: Hunchentoot's own knows only its
-in-process sessions."
-  (let ((request-class (engine-request-class acceptor)))
-    (when (and (acceptor-session-store acceptor)
-               (not (subtypep request-class 'parallel-request)))
-      (error 'invalid-acceptor-configuration
-             :initarg :request-class :value request-class
-             :reason "must inherit from PARALLEL-REQUEST where sessions are in a :SESSION-STORE"))))
+  "Refuse to start with a request class that cannot find the acceptor's
+sessions (CHECK-REQUEST-CLASS)."
+  (check-request-class (acceptor-sessions acceptor) (engine-request-class acceptor)))
 
 ;;; Which session a request presents.
 
@@ -86,7 +117,7 @@ under Hunchentoot's bindings of sessions to clients."
   "The session with the integer ID in ACCEPTOR's in-process session
 database, through its session index, unless it has expired; an expired one
 is removed, as Hunchentoot's own lookup does."
-  (let ((session (indexed-session (acceptor-session-index acceptor) (hunchentoot:session-db acceptor) id)))
+  (let ((session (indexed-session (sessions-index (acceptor-sessions acceptor)) (hunchentoot:session-db acceptor) id)))
     (cond ((and session (hunchentoot:session-too-old-p session))
            (when hunchentoot:*reply*
              (hunchentoot:log-message* :info "Session with ID ~A too old" id))
@@ -94,7 +125,12 @@ is removed, as Hunchentoot's own lookup does."
            nil)
           (t session))))
 
-(defun verify-in-process-session (request acceptor id string)
+(defmethod check-request-class ((sessions in-process-sessions) request-class)
+  "Any request class finds in-process sessions: Hunchentoot's own
+SESSION-VERIFY knows them."
+  (declare (ignore request-class)))
+
+(defmethod find-presented-session ((sessions in-process-sessions) request acceptor id string)
   "REQUEST's session among Hunchentoot's in-process sessions, as
 Hunchentoot's SESSION-VERIFY finds it, but a wrong STRING leaves the
 session with ID alone."
@@ -136,10 +172,18 @@ fails signals SESSION-STORE-UNAVAILABLE."
   "Run BODY with STORE bound to ACCEPTOR's session store, as CALL-WITH-SESSION-STORE."
   `(call-with-session-store ,acceptor (lambda (,store) ,@body)))
 
-(defun verify-stored-session (request acceptor id string)
-  "REQUEST's session in ACCEPTOR's store: the STORED-SESSION with ID and
-STRING bound to this client, NIL when there is none, or an
-UNREACHABLE-SESSION when the store does not answer."
+(defmethod check-request-class ((store session-store) request-class)
+  "Only a PARALLEL-REQUEST finds a store's sessions: Hunchentoot's own
+SESSION-VERIFY knows only its in-process ones."
+  (unless (subtypep request-class 'parallel-request)
+    (error 'invalid-acceptor-configuration
+           :initarg :request-class :value request-class
+           :reason "must inherit from PARALLEL-REQUEST where sessions are in a :SESSION-STORE")))
+
+(defmethod find-presented-session ((store session-store) request acceptor id string)
+  "REQUEST's session in STORE: the STORED-SESSION with ID and STRING bound
+to this client, NIL when there is none, or an UNREACHABLE-SESSION when the
+store does not answer."
   (handler-case
       (let ((session (with-session-store (store acceptor)
                        (find-stored-session store id string (get-universal-time)))))
@@ -156,7 +200,7 @@ than its session's; the session is left as it was"
                                          (hunchentoot:remote-addr request))
                nil)))
     (session-store-unavailable ()
-      (make-unreachable-session (acceptor-session-store acceptor) id string))))
+      (make-unreachable-session store id string))))
 
 (defmethod hunchentoot:session-verify ((request parallel-request))
   "REQUEST's session, from its cookie (or the GET parameter of that name),
@@ -167,9 +211,7 @@ in its acceptor's store or in the process."
         (multiple-value-bind (id string)
             (parse-session-identifier (presented-session-identifier request acceptor))
           (when id
-            (if (acceptor-session-store acceptor)
-                (verify-stored-session request acceptor id string)
-                (verify-in-process-session request acceptor id string)))))))
+            (find-presented-session (acceptor-sessions acceptor) request acceptor id string))))))
 
 (sb-ext:defglobal **new-sessions** (list 0)
   "In its car, the sessions started under parallel acceptors without a
@@ -180,7 +222,7 @@ store, counted as Hunchentoot counts new sessions for SESSION-GC.")
 sessions, HUNCHENTOOT:SESSION-GC, unless ACCEPTOR's session index knows that
 it would find no session too old."
   (let ((frequency hunchentoot:*session-gc-frequency*)
-        (index (acceptor-session-index acceptor)))
+        (index (sessions-index (acceptor-sessions acceptor))))
     (when (and frequency
                (zerop (mod (1+ (sb-ext:atomic-incf (car **new-sessions**))) frequency))
                (sessions-may-have-expired-p index (hunchentoot:session-db acceptor) (get-universal-time)))
@@ -211,30 +253,36 @@ alone, which COLLECT-EXPIRED-SESSIONS-WHEN-DUE then does in its place."
           (setf **session-created-chain** (list methods acceptor-class session-class answer))
           answer))))
 
-;;; Hunchentoot's session database, under a store.
+;;; Hunchentoot's session database.
 
 (defmethod hunchentoot:session-created ((acceptor parallel-acceptor) (session hunchentoot:session))
-  "Under a store, make the new SESSION a STORED-SESSION and add it to the
-store before Hunchentoot's own counting of new sessions for SESSION-GC.
-Without one, make it an IN-PROCESS-SESSION, which the session index can
-tell has been removed, and count it as Hunchentoot does, its SESSION-GC
-skipped while the index knows it would remove nothing."
-  (cond ((acceptor-session-store acceptor)
-         (change-class session 'stored-session)
-         ;; Before the store writes them: when it cannot, the request is answered
-         ;; 503 and its session goes with it.
-         (setf (stored-fields session) (session-stored-fields session))
-         (with-session-store (store acceptor)
-           (add-stored-session store session))
-         (call-next-method))
-        (t
-         (when (eq (class-of session) (find-class 'hunchentoot:session))
-           (change-class session 'in-process-session))
-         (if (only-hunchentoot-counting-follows-p acceptor session)
-             (collect-expired-sessions-when-due acceptor)
-             ;; A mixin's method after ours runs as it would; Hunchentoot's
-             ;; counting then runs at the end of the chain as it would.
-             (call-next-method)))))
+  "Keep the new SESSION where ACCEPTOR's sessions live (ADD-NEW-SESSION)."
+  (flet ((next () (call-next-method)))
+    (declare (dynamic-extent #'next))
+    (add-new-session (acceptor-sessions acceptor) acceptor session #'next)))
+
+(defmethod add-new-session ((sessions in-process-sessions) acceptor session next)
+  "Make SESSION an IN-PROCESS-SESSION, which the session index can tell has
+been removed, and count it as Hunchentoot does, its SESSION-GC skipped
+while the index knows it would remove nothing."
+  (when (eq (class-of session) (find-class 'hunchentoot:session))
+    (change-class session 'in-process-session))
+  (if (only-hunchentoot-counting-follows-p acceptor session)
+      (collect-expired-sessions-when-due acceptor)
+      ;; A mixin's method after ours runs as it would; Hunchentoot's
+      ;; counting then runs at the end of the chain as it would.
+      (funcall next)))
+
+(defmethod add-new-session ((store session-store) acceptor session next)
+  "Make SESSION a STORED-SESSION and add it to STORE before Hunchentoot's
+own counting of new sessions for SESSION-GC."
+  (change-class session 'stored-session)
+  ;; Before the store writes them: when it cannot, the request is answered
+  ;; 503 and its session goes with it.
+  (setf (stored-fields session) (session-stored-fields session))
+  (with-session-store (store acceptor)
+    (add-stored-session store session))
+  (funcall next))
 
 (defmethod hunchentoot:acceptor-remove-session ((acceptor parallel-acceptor) (session stored-session))
   "Remove SESSION from the store, then call the methods after this one."
@@ -244,30 +292,58 @@ skipped while the index knows it would remove nothing."
   (call-next-method))
 
 (defmethod hunchentoot:session-db ((acceptor parallel-acceptor))
-  "Under a store, the store's expired sessions, which Hunchentoot's
-SESSION-GC then removes one by one (its ACCEPTOR-REMOVE-SESSION methods run
-for each); a session Hunchentoot would add or look up here is the store's
-business.  Without a store, Hunchentoot's in-process database."
-  (if (acceptor-session-store acceptor)
-      (mapcar (lambda (session) (cons (hunchentoot:session-id session) session))
-              (with-session-store (store acceptor)
-                (expired-stored-sessions store (get-universal-time))))
-      (call-next-method)))
+  "What ACCEPTOR's sessions make of it (SESSIONS-DATABASE)."
+  (flet ((next () (call-next-method)))
+    (declare (dynamic-extent #'next))
+    (sessions-database (acceptor-sessions acceptor) acceptor #'next)))
+
+(defmethod sessions-database ((sessions in-process-sessions) acceptor next)
+  "Hunchentoot's in-process database."
+  (declare (ignore acceptor))
+  (funcall next))
+
+(defmethod sessions-database ((store session-store) acceptor next)
+  "STORE's expired sessions, which Hunchentoot's SESSION-GC then removes one
+by one (its ACCEPTOR-REMOVE-SESSION methods run for each); a session
+Hunchentoot would add or look up here is the store's business."
+  (declare (ignore next))
+  (mapcar (lambda (session) (cons (hunchentoot:session-id session) session))
+          (with-session-store (store acceptor)
+            (expired-stored-sessions store (get-universal-time)))))
 
 (defmethod hunchentoot:session-db-lock ((acceptor parallel-acceptor) &key (whole-db-p t))
-  "Under a store, none: each request has its own copy of its session, and
-the store guards itself.  Without one, Hunchentoot's lock."
+  "What ACCEPTOR's sessions make of it (SESSIONS-DATABASE-LOCK)."
   (declare (ignore whole-db-p))
-  (if (acceptor-session-store acceptor)
-      nil
-      (call-next-method)))
+  (flet ((next () (call-next-method)))
+    (declare (dynamic-extent #'next))
+    (sessions-database-lock (acceptor-sessions acceptor) acceptor #'next)))
 
-(defmethod (setf hunchentoot:session-db) (sessions (acceptor parallel-acceptor))
-  "Under a store, nothing: the store is the database.  Without one,
-Hunchentoot's in-process database."
-  (if (acceptor-session-store acceptor)
-      sessions
-      (call-next-method)))
+(defmethod sessions-database-lock ((sessions in-process-sessions) acceptor next)
+  "Hunchentoot's lock."
+  (declare (ignore acceptor))
+  (funcall next))
+
+(defmethod sessions-database-lock ((store session-store) acceptor next)
+  "None: each request has its own copy of its session, and the store guards
+itself."
+  (declare (ignore acceptor next))
+  nil)
+
+(defmethod (setf hunchentoot:session-db) (database (acceptor parallel-acceptor))
+  "What ACCEPTOR's sessions make of it (REPLACE-SESSIONS-DATABASE)."
+  (flet ((next () (call-next-method)))
+    (declare (dynamic-extent #'next))
+    (replace-sessions-database (acceptor-sessions acceptor) acceptor database #'next)))
+
+(defmethod replace-sessions-database ((sessions in-process-sessions) acceptor database next)
+  "Hunchentoot's in-process database becomes DATABASE."
+  (declare (ignore acceptor database))
+  (funcall next))
+
+(defmethod replace-sessions-database ((store session-store) acceptor database next)
+  "Nothing: the store is the database."
+  (declare (ignore acceptor next))
+  database)
 
 ;;; A request's session written back.
 
@@ -292,19 +368,27 @@ handler changed it."
   (hunchentoot:acceptor-status-message acceptor hunchentoot:+http-service-unavailable+))
 
 (defmethod hunchentoot:handle-request :around ((acceptor parallel-acceptor) (request hunchentoot:request))
-  "Under a store, write the request's session back after its handler
-returns or ends early (HUNCHENTOOT:REDIRECT, ABORT-REQUEST-HANDLER), not
-after an error; answer 503 when the store is unavailable, and 500 for a
-session value the store cannot keep."
-  (if (null (acceptor-session-store acceptor))
-      (call-next-method)
-      (handler-case
-          (multiple-value-bind (contents error backtrace)
-              (catching-handler-end (call-next-method))
-            (unless error
-              (save-request-session acceptor))
-            (values contents error backtrace))
-        (session-store-unavailable ()
-          (session-store-unavailable-reply acceptor))
-        (session-value-not-storable (condition)
-          (values nil condition nil)))))
+  "Run the handler as ACCEPTOR's sessions need (CALL-HANDLER-WITH-SESSIONS)."
+  (flet ((next () (call-next-method)))
+    (declare (dynamic-extent #'next))
+    (call-handler-with-sessions (acceptor-sessions acceptor) acceptor #'next)))
+
+(defmethod call-handler-with-sessions ((sessions in-process-sessions) acceptor next)
+  "The handler alone: an in-process session is changed where it lives."
+  (declare (ignore acceptor))
+  (funcall next))
+
+(defmethod call-handler-with-sessions ((store session-store) acceptor next)
+  "Write the request's session back after its handler returns or ends early
+(HUNCHENTOOT:REDIRECT, ABORT-REQUEST-HANDLER), not after an error; answer
+503 when STORE is unavailable, and 500 for a session value it cannot keep."
+  (handler-case
+      (multiple-value-bind (contents error backtrace)
+          (catching-handler-end (funcall next))
+        (unless error
+          (save-request-session acceptor))
+        (values contents error backtrace))
+    (session-store-unavailable ()
+      (session-store-unavailable-reply acceptor))
+    (session-value-not-storable (condition)
+      (values nil condition nil))))

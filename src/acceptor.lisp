@@ -4,10 +4,6 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defgeneric acceptor-connection-engine (acceptor)
-  (:documentation "The name of the connection engine ACCEPTOR's workers
-serve with: :READINESS-SET, the only one there is."))
-
 (defgeneric acceptor-header-timeout (acceptor)
   (:documentation "Seconds a request head may take to arrive before ACCEPTOR
 answers 408."))
@@ -72,6 +68,11 @@ dynamic space."))
   (:documentation "The SESSION-STORE keeping ACCEPTOR's sessions, or NIL when
 they are Hunchentoot's own, in the process."))
 
+(defgeneric acceptor-sessions (acceptor)
+  (:documentation "Where ACCEPTOR's sessions live, which each of
+Hunchentoot's session generic functions asks (acceptor-sessions.lisp): its
+SESSION-STORE, or an IN-PROCESS-SESSIONS."))
+
 (defgeneric acceptor-session-store-timeout (acceptor)
   (:documentation "Seconds a request may wait for ACCEPTOR's session store
 before it is answered 503."))
@@ -81,21 +82,16 @@ before it is answered 503."))
     :initform nil :accessor acceptor-dispatch-chain
     :documentation "The ACCEPTOR-DISPATCH-REQUEST methods that run after
 this class's, kept while the generic function's methods stay the same (see
-static-files.lisp)."))
+document-root.lisp)."))
   (:documentation "Serves the acceptor's HUNCHENTOOT:ACCEPTOR-DOCUMENT-ROOT
-by SERVE-STATIC-FILE (static-files.lisp) where Hunchentoot's last
+by SERVE-STATIC-FILE (document-root.lisp) where Hunchentoot's last
 ACCEPTOR-DISPATCH-REQUEST method would serve it by HANDLE-STATIC-FILE,
 wherever this class falls in the precedence list.  Placed after
 HUNCHENTOOT:EASY-ACCEPTOR in the parallel acceptors' lists only so that a
 request an easy handler answers does not pass through its method."))
 
 (defclass parallel-acceptor (static-document-root)
-  ((connection-engine
-    :initarg :connection-engine :reader acceptor-connection-engine
-    :documentation ":READINESS-SET, the only engine: connections waiting for
-bytes are parked in an epoll set and hold no thread; workers wait on the set
-and serve whatever is ready.")
-   (header-timeout
+  ((header-timeout
     :initarg :header-timeout :reader acceptor-header-timeout
     :documentation "Seconds a request head (request line and headers) may
 take to arrive, counted from the connection's accept or from the head's
@@ -131,8 +127,7 @@ or inherited, is set TCP_DEFER_ACCEPT, as Apache httpd sets it on Linux and
 nginx's listen ... deferred: the kernel hands a connection over only once
 its client has sent something, so that the accept finds the request head
 (or TLS ClientHello) already there instead of parking the connection until
-it comes -- three system calls fewer per new connection, 15-20% more new
-connections a second (bench/profiles/2026-11-25-deferred-accept.txt).  A
+it comes (bench/profiles/2026-11-25-deferred-accept.txt).  A
 client that connects and sends nothing costs no worker and no slot until
 the kernel's deferral for HEADER-TIMEOUT seconds ends (rounded up to a
 SYN-ACK retransmission: 15 s for 10); it is then handed over, and gets the
@@ -215,14 +210,12 @@ session it names untouched.")
     :documentation "Seconds each call to the session store may take (a
 connection from its pool included); a request whose session the store did
 not give in time is answered 503 when its handler uses the session.")
-   (session-index
-    :initform (make-session-index) :reader acceptor-session-index
-    :documentation "The index by id of the in-process session database
-that HUNCHENTOOT:SESSION-DB returns for the acceptor (sessions/session-index.lisp),
-unused under a SESSION-STORE."))
+   (sessions
+    :reader acceptor-sessions
+    :documentation "Where the acceptor's sessions live: its SESSION-STORE,
+or, without one, an IN-PROCESS-SESSIONS (sessions/session-index.lisp)."))
   (:default-initargs
    :taskmaster (make-instance 'recycling-taskmaster)
-   :connection-engine :readiness-set
    :header-timeout 10
    :keep-alive-timeout 5
    :queue-timeout 10
@@ -257,10 +250,6 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
 :AROUND methods of mixins run around them."))
 
 (defmethod initialize-instance :after ((acceptor parallel-acceptor) &key)
-  (unless (eq (acceptor-connection-engine acceptor) :readiness-set)
-    (error 'invalid-acceptor-configuration
-           :initarg :connection-engine :value (acceptor-connection-engine acceptor)
-           :reason "must be :READINESS-SET (the blocking engine was retired)"))
   (loop for (initarg seconds) in `((:header-timeout ,(acceptor-header-timeout acceptor))
                                    (:keep-alive-timeout ,(acceptor-keep-alive-timeout acceptor))
                                    (:queue-timeout ,(acceptor-queue-timeout acceptor))
@@ -315,7 +304,8 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
     (unless (typep store '(or null session-store))
       (error 'invalid-acceptor-configuration
              :initarg :session-store :value store
-             :reason "must be NIL or a SESSION-STORE"))))
+             :reason "must be NIL or a SESSION-STORE"))
+    (setf (slot-value acceptor 'sessions) (or store (make-instance 'in-process-sessions)))))
 
 (defclass parallel-easy-acceptor (parallel-acceptor hunchentoot:easy-acceptor static-document-root)
   ()

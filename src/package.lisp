@@ -43,7 +43,6 @@ hunchentoot-recycling-taskmaster, which calls it WS.")
 
    ;; How a parallel acceptor serves connections: the connection engine's
    ;; name and the limits it enforces on the waits and heads of requests.
-   #:acceptor-connection-engine
    #:acceptor-header-timeout
    #:acceptor-keep-alive-timeout
    #:acceptor-queue-timeout

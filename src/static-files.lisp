@@ -7,41 +7,15 @@
 ;;;; connection, hands the head as octets and the body as ranges of the
 ;;;; descriptor it opened and looked at once to the engine, which sends them
 ;;;; with sendfile(2), no copy through Lisp, and what a slow client does not
-;;;; take at once when it reads, without a worker waiting.  Elsewhere (TLS, Hunchentoot's own acceptors) the same reply is copied
-;;;; through the connection's stream.  CREATE-STATIC-FOLDER-DISPATCHER-AND-HANDLER
-;;;; is HUNCHENTOOT:CREATE-FOLDER-DISPATCHER-AND-HANDLER served this way,
-;;;; with the request path kept inside its folder.
+;;;; take at once when it reads, without a worker waiting.  Elsewhere (TLS,
+;;;; Hunchentoot's own acceptors) the same reply is copied through the
+;;;; connection's stream.  CREATE-STATIC-FOLDER-DISPATCHER-AND-HANDLER is
+;;;; HUNCHENTOOT:CREATE-FOLDER-DISPATCHER-AND-HANDLER served this way, with
+;;;; the request path kept inside its folder.  The headers' wire format is
+;;;; engine/http/conditional-headers.lisp's and range-header.lisp's; the
+;;;; acceptor's document root, document-root.lisp's.
 
 (in-package #:hunchentoot-recycling-taskmaster)
-
-(defconstant +max-byte-ranges+ 16
-  "The most ranges one Range header may ask for; past it the header is
-ignored and the whole file sent (RFC 9110 14.2 lets a server ignore many
-small ranges, a sign of a broken client or of an attack).")
-
-;;; HTTP dates (RFC 9110 5.6.7): IMF-fixdate, and the two obsolete forms a
-;;; recipient must still read.
-
-(defparameter *month-names* #("Jan" "Feb" "Mar" "Apr" "May" "Jun" "Jul" "Aug" "Sep" "Oct" "Nov" "Dec"))
-
-(defun parse-http-date (text)
-  "The universal time TEXT names as an HTTP date, or NIL."
-  (flet ((date (day month year hour minute second)
-           (let ((month-number (position month *month-names* :test #'string-equal)))
-             (and month-number
-                  (ignore-errors (encode-universal-time second minute hour day (1+ month-number) year 0))))))
-    (or (cl-ppcre:register-groups-bind ((#'parse-integer day) month (#'parse-integer year hour minute second))
-            ("^\\s*[A-Za-z]{3}, (\\d{2}) ([A-Za-z]{3}) (\\d{4}) (\\d{2}):(\\d{2}):(\\d{2}) GMT\\s*$" text)
-          (date day month year hour minute second))
-        (cl-ppcre:register-groups-bind ((#'parse-integer day) month (#'parse-integer two-digit-year hour minute second))
-            ("^\\s*[A-Za-z]+, (\\d{2})-([A-Za-z]{3})-(\\d{2}) (\\d{2}):(\\d{2}):(\\d{2}) GMT\\s*$" text)
-          ;; RFC 9110: a two-digit year more than 50 years ahead is in the past century.
-          (let* ((this-year (nth-value 5 (decode-universal-time (get-universal-time) 0)))
-                 (year (+ (* 100 (floor this-year 100)) two-digit-year)))
-            (date day month (if (> year (+ this-year 50)) (- year 100) year) hour minute second)))
-        (cl-ppcre:register-groups-bind (month (#'parse-integer day hour minute second year))
-            ("^\\s*[A-Za-z]{3} ([A-Za-z]{3}) +(\\d{1,2}) (\\d{2}):(\\d{2}):(\\d{2}) (\\d{4})\\s*$" text)
-          (date day month year hour minute second)))))
 
 ;;; The file to send.
 
@@ -77,14 +51,6 @@ or as *) with a weight above zero."
 
 ;;; Preconditions (RFC 9110 13.2.2, for GET and HEAD).
 
-(defun entity-tag-listed-p (tag header-value)
-  "True when the If-None-Match HEADER-VALUE names TAG or is *, compared
-weakly (W/ aside), as RFC 9110 13.1.2 says."
-  (flet ((opaque (text) (if (and (> (length text) 2) (string= "W/" text :end2 2)) (subseq text 2) text)))
-    (let ((wanted (opaque tag)))
-      (loop for listed in (cl-ppcre:split "\\s*,\\s*" (string-trim " " header-value))
-            thereis (or (string= listed "*") (string= (opaque listed) wanted))))))
-
 (defun not-modified-p (file tag)
   "True when the request's If-None-Match, else its If-Modified-Since, says
 the client's copy of FILE is current."
@@ -104,42 +70,6 @@ its Last-Modified."
         (if (find #\" if-range)
             (string= (string-trim " " if-range) tag)
             (eql (parse-http-date if-range) (file-to-send-modified file))))))
-
-;;; Ranges (RFC 9110 14.1.2).
-
-(defun coalesced-ranges (ranges)
-  "RANGES, (START . END) pairs, as they are when none overlaps or touches
-another; else sorted, with each run of overlapping or adjacent ranges made
-one (RFC 9110 15.3.7.2 lets a server coalesce them, whatever their order)."
-  (let ((sorted (sort (copy-list ranges) #'< :key #'car)))
-    (if (loop for (range next) on sorted
-              never (and next (<= (car next) (cdr range))))
-        ranges
-        (let ((merged '()))
-          (dolist (range sorted (nreverse merged))
-            (if (and merged (<= (car range) (cdr (first merged))))
-                (setf (cdr (first merged)) (max (cdr (first merged)) (cdr range)))
-                (push (cons (car range) (cdr range)) merged)))))))
-
-(defun parse-byte-ranges (header-value size)
-  "The ranges the Range HEADER-VALUE asks of a file of SIZE octets: a list
-of (START . END) with END exclusive, clamped to the file, overlapping and
-adjacent ones coalesced; :UNSATISFIABLE when none overlaps it; NIL when the
-header is to be ignored and the whole file sent once: not a bytes
-ranges-specifier (PARSE-RANGE-SPECS), more than +MAX-BYTE-RANGES+ ranges,
-or ranges adding up to more than the file (as nginx does: 64 times 0- is
-one file, not 64)."
-  (let ((specs (parse-range-specs header-value)))
-    (when (and specs (<= (length specs) +max-byte-ranges+))
-      (let ((ranges (loop for (first . last) in specs
-                          ;; A suffix range is (NIL . LENGTH); LAST is NIL for an open range.
-                          for range = (if first
-                                          (and (< first size) (cons first (if last (min size (1+ last)) size)))
-                                          (and (plusp last) (plusp size) (cons (max 0 (- size last)) size)))
-                          when range collect range)))
-        (cond ((null ranges) :unsatisfiable)
-              ((> (loop for (start . end) in ranges sum (- end start)) size) nil)
-              (t (coalesced-ranges ranges)))))))
 
 ;;; Sending.
 
@@ -315,78 +245,3 @@ FOLLOW-OUTSIDE-LINKS-P."
                                    (string= folder-prefix resolved :end2 (length folder-prefix)))))
                (end-request-with hunchentoot:+http-not-found+))
              (serve-static-file namestring :content-type content-type :cache-control cache-control))))))))
-
-;;; The acceptor's document root.
-;;;
-;;; Hunchentoot serves the document root in its last ACCEPTOR-DISPATCH-REQUEST
-;;; method, the one on HUNCHENTOOT:ACCEPTOR, which every mixin's method
-;;; reaches by CALL-NEXT-METHOD when it does not answer.  Ours takes exactly
-;;; that place: the method on STATIC-DOCUMENT-ROOT runs the primary methods
-;;; that come after it in the chain, whatever mixins put there and in
-;;; whatever order, with Hunchentoot's last method replaced by
-;;; SERVE-DOCUMENT-ROOT.  Every method dispatches as it does on Hunchentoot's
-;;; own acceptor; only the file goes out by SERVE-STATIC-FILE.  The chain is
-;;; computed once and kept until a method of the generic function is added
-;;; or removed.
-
-(defun serve-document-root (acceptor request)
-  "Hunchentoot's last ACCEPTOR-DISPATCH-REQUEST method, the file sent by
-SERVE-STATIC-FILE: the file under HUNCHENTOOT:ACCEPTOR-DOCUMENT-ROOT that
-REQUEST's path names (index.html for /), or 404 when there is no document
-root or the path is refused."
-  (let ((root (hunchentoot:acceptor-document-root acceptor))
-        (path (hunchentoot:request-pathname request)))
-    (if (and root path)
-        (serve-static-file (merge-pathnames (if (equal "/" (hunchentoot:script-name request)) #p"index.html" path)
-                                            root))
-        (end-request-with hunchentoot:+http-not-found+))))
-
-(defun hunchentoot-last-dispatch-method ()
-  "Hunchentoot's ACCEPTOR-DISPATCH-REQUEST method on HUNCHENTOOT:ACCEPTOR."
-  (find-method #'hunchentoot:acceptor-dispatch-request '()
-               (list (find-class 'hunchentoot:acceptor) (find-class t))))
-
-(defun document-root-method ()
-  "The ACCEPTOR-DISPATCH-REQUEST method on STATIC-DOCUMENT-ROOT."
-  (find-method #'hunchentoot:acceptor-dispatch-request '()
-               (list (find-class 'static-document-root) (find-class t))))
-
-(defvar *serve-document-root-method*
-  (make-replacing-method '(acceptor request) 'serve-document-root)
-  "SERVE-DOCUMENT-ROOT as a method, to stand in Hunchentoot's last one's place.")
-
-(defstruct (dispatch-chain (:constructor make-dispatch-chain (methods-list acceptor-class request-class methods)))
-  "The methods after ours in an acceptor's dispatch, for the generic
-function's methods as they were (METHODS-LIST) and the classes of the
-acceptor and request."
-  (methods-list nil :read-only t)
-  (acceptor-class nil :read-only t)
-  (request-class nil :read-only t)
-  (methods '() :type list :read-only t))
-
-(defun dispatch-chain (acceptor request)
-  "The primary methods CALL-NEXT-METHOD would run after the document root
-method for ACCEPTOR and REQUEST, Hunchentoot's last one replaced by
-SERVE-DOCUMENT-ROOT; the chain kept in ACCEPTOR while still true."
-  (let ((kept (acceptor-dispatch-chain acceptor))
-        (methods-list (generic-function-methods-list #'hunchentoot:acceptor-dispatch-request)))
-    (if (and kept
-             (eq (dispatch-chain-methods-list kept) methods-list)
-             (eq (dispatch-chain-acceptor-class kept) (class-of acceptor))
-             (eq (dispatch-chain-request-class kept) (class-of request)))
-        (dispatch-chain-methods kept)
-        (let ((methods (substitute *serve-document-root-method* (hunchentoot-last-dispatch-method)
-                                   (primary-methods-after (document-root-method)
-                                                          #'hunchentoot:acceptor-dispatch-request
-                                                          (list acceptor request)))))
-          (setf (acceptor-dispatch-chain acceptor)
-                (make-dispatch-chain methods-list (class-of acceptor) (class-of request) methods))
-          methods))))
-
-(defmethod hunchentoot:acceptor-dispatch-request ((acceptor static-document-root) request)
-  "Dispatch as the methods after this one would, with the document root
-served by SERVE-DOCUMENT-ROOT where Hunchentoot's own method would serve it."
-  (let ((methods (dispatch-chain acceptor request)))
-    (if (eq (first methods) *serve-document-root-method*)
-        (serve-document-root acceptor request)
-        (call-method-chain methods (list acceptor request)))))

@@ -76,3 +76,47 @@
     (is (equal (hunchentoot-recycling-taskmaster::statistics-keys-table) documented)
         "docs/operations.md's table differs from *STATISTICS-KEYS*; it should read:~%~A"
         (hunchentoot-recycling-taskmaster::statistics-keys-table))))
+
+(defun documentation-files ()
+  "README.md and every docs/*.md, as pathnames."
+  (cons (checkout-path "README.md") (directory (checkout-path "docs/*.md"))))
+
+(defun file-octets (pathname)
+  (with-open-file (in pathname :element-type '(unsigned-byte 8)) (file-length in)))
+
+(test house.documentation-fits-an-evening
+  "README under 12,000 bytes, docs/benchmarks.md under 20,000, docs/*.md
+under 100,000 in all: what is true now, the history left to bench/profiles/
+and the commit log."
+  (is (< (file-octets (checkout-path "README.md")) 12000))
+  (is (< (file-octets (checkout-path "docs/benchmarks.md")) 20000))
+  (let ((total (reduce #'+ (directory (checkout-path "docs/*.md")) :key #'file-octets)))
+    (is (< total 100000) "docs/*.md hold ~D bytes" total)))
+
+(defun relative-links (text)
+  "The targets of TEXT's markdown links that are paths in the checkout: not
+URLs, not anchors alone; without their #anchor."
+  (let ((links '()))
+    (cl-ppcre:do-register-groups (target) ("\\]\\(([^)\\s]+)\\)" text)
+      (let ((path (subseq target 0 (position #\# target))))
+        (unless (or (zerop (length path)) (search "://" target) (uiop:string-prefix-p "mailto:" target))
+          (push path links))))
+    links))
+
+(test house.documentation-links-resolve
+  "Every relative link of README and docs/ names a file of the checkout."
+  (dolist (file (documentation-files))
+    (dolist (link (relative-links (uiop:read-file-string file)))
+      (is (probe-file (merge-pathnames link (uiop:pathname-directory-pathname file)))
+          "~A links to ~A, which does not exist" (relative-path file) link))))
+
+(test house.every-committed-report-is-cited
+  "Each report committed under bench/results/ is cited by README or docs/:
+the runs the docs quote, nothing else."
+  (let ((documentation (format nil "~{~A~}" (mapcar #'uiop:read-file-string (documentation-files))))
+        (reports (uiop:run-program (list "git" "-C" (namestring *checkout*) "ls-files" "bench/results")
+                                   :output :lines)))
+    (is (< (length reports) 100) "~D reports committed" (length reports))
+    (dolist (report reports)
+      (is (search (subseq report (length "bench/results/")) documentation)
+          "~A is committed but cited nowhere" report))))

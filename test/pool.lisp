@@ -437,7 +437,7 @@ TOTAL-TICKS-SINCE ticks in all before now, read again for a pool of
 THREAD-COUNT workers."
   (let ((gauge (hunchentoot-recycling-taskmaster::make-idle-gauge)))
     (unwind-protect
-         (multiple-value-bind (idle total) (hunchentoot-recycling-taskmaster::read-processor-ticks gauge)
+         (multiple-value-bind (idle total) (hunchentoot-recycling-taskmaster::read-processor-ticks (hunchentoot-recycling-taskmaster::idle-gauge-ticks gauge))
            (setf (hunchentoot-recycling-taskmaster::idle-gauge-read-at gauge)
                  (- (get-internal-real-time) internal-time-units-per-second)
                  (hunchentoot-recycling-taskmaster::idle-gauge-idle-ticks gauge) (- idle idle-ticks-since)
@@ -451,7 +451,7 @@ THREAD-COUNT workers."
     (unwind-protect
          ;; Twice through one descriptor: each reading starts at the file's start.
          (loop repeat 2
-               do (multiple-value-bind (idle total) (hunchentoot-recycling-taskmaster::read-processor-ticks gauge)
+               do (multiple-value-bind (idle total) (hunchentoot-recycling-taskmaster::read-processor-ticks (hunchentoot-recycling-taskmaster::idle-gauge-ticks gauge))
                     (is (and (integerp idle) (integerp total) (< 0 idle total)) "/proc/stat read: ~S ~S" idle total)))
       (hunchentoot-recycling-taskmaster::close-idle-gauge gauge)))
   ;; The ticks that pass between the two readings are few beside 10,000.

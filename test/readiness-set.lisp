@@ -341,13 +341,15 @@ been answered one request and is kept alive; closed afterwards."
 
 ;;; Configuration.
 
+(test config.connection-engine-is-no-initarg
+  "The readiness set is the only engine: :CONNECTION-ENGINE was retired."
+  (signals error (make-instance 'parallel-easy-acceptor :connection-engine :readiness-set)))
+
 (test config.acceptor-rejects-impossible-values
   (flet ((rejected-p (&rest initargs)
            (handler-case (progn (apply #'make-instance 'parallel-easy-acceptor initargs) nil)
              (invalid-acceptor-configuration (condition)
                (and (search "PARALLEL-ACCEPTOR" (princ-to-string condition)) t)))))
-    (is (rejected-p :connection-engine :threads))
-    (is (rejected-p :connection-engine :blocking) "the blocking engine was retired")
     (is (rejected-p :header-timeout 0))
     (is (rejected-p :keep-alive-timeout -1))
     (is (rejected-p :max-header-bytes 10))

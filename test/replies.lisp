@@ -250,3 +250,59 @@ characters are base characters, and as a string with a fill pointer."
       (is (search "Set-Cookie was refused" logged))
       (is (search "Location was refused" logged))
       (is (not (search "Injected" logged)) "the value is never logged"))))
+
+;;; Which road a reply takes: the engine's octets, or Hunchentoot's
+;;; START-OUTPUT through the connection's stream.
+
+(ht:define-easy-handler (test-page-with-session :uri "/test/page-with-session") ()
+  (ht:start-session)
+  (setf (ht:content-type*) "text/html")
+  "<a href=\"/test/next\">next</a>")
+
+(defun start-output-calls (server path &rest drakma-args)
+  "GET PATH of SERVER: the status, the body, the headers and how many times
+Hunchentoot's START-OUTPUT was called meanwhile."
+  (let ((calls 0))
+    (sb-int:encapsulate 'ht::start-output 'count-calls
+                        (lambda (function &rest arguments)
+                          (incf calls)
+                          (apply function arguments)))
+    (unwind-protect
+         (multiple-value-bind (body status headers)
+             (apply #'drakma:http-request (url server path) :connection-timeout 10 drakma-args)
+           (values status body headers calls))
+      (sb-int:unencapsulate 'ht::start-output 'count-calls))))
+
+(test replies.each-kind-of-reply-takes-its-road
+  "A string or octet body goes out as octets, with a session too, and with
+the session's URL rewriting Hunchentoot applies to a client that sent no
+cookie; replies a handler streams itself and bodiless ones go through
+Hunchentoot's START-OUTPUT."
+  (with-server (server (make-server 'parallel-easy-acceptor))
+    (flet ((road (path &rest drakma-args)
+             (multiple-value-bind (status body headers calls) (apply #'start-output-calls server path drakma-args)
+               (declare (ignore headers))
+               (is (eql 200 (if (eql status 304) 200 status)) "~A: ~A" path status)
+               (values (if (zerop calls) :octets :stream) body))))
+      (is (eq :octets (road "/test/yo")))
+      (is (eq :octets (road "/test/octets")))
+      (is (eq :stream (road "/test/chunked-reply")))
+      (is (eq :stream (road "/test/not-modified"
+                            :additional-headers '(("If-Modified-Since" . "Wed, 01 Jan 2020 00:00:00 GMT")))))
+      ;; A session started, then presented in its cookie, then in the URL.
+      (multiple-value-bind (status body headers calls) (start-output-calls server "/test/page-with-session")
+        (declare (ignore body))
+        (is (eql 200 status))
+        (is (zerop calls) "the reply starting a session went through START-OUTPUT")
+        (let* ((set-cookie (cdr (assoc :set-cookie headers)))
+               (cookie (subseq set-cookie 0 (position #\; set-cookie)))
+               (value (subseq cookie (1+ (position #\= cookie))))
+               (id (subseq value 0 (position-if-not #'digit-char-p value))))
+          (is (eq :octets (road "/test/page-with-session" :additional-headers `(("Cookie" . ,cookie)))))
+          (multiple-value-bind (road body)
+              ;; ID:STRING as it is: a colon may stand in a query, and
+              ;; drakma would escape a %-escape again.
+              (road (format nil "/test/page-with-session?hunchentoot-session=~A" value))
+            (is (eq :octets road))
+            (is (search (format nil "/test/next?hunchentoot-session=~A" id) body)
+                "the links were not rewritten for the session: ~A" body)))))))

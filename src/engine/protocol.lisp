@@ -1,8 +1,8 @@
 ;;;; The connection engine: what a worker does between two looks at the pool.
 ;;;; The pool (src/pool/) calls only these generic functions; an engine is
-;;;; chosen once, at the first HUNCHENTOOT:START, by the acceptor's
-;;;; :CONNECTION-ENGINE, and the pool never asks which one it has.  The
-;;;; readiness engine (engine/readiness/, engine/serving/) is the one there is.
+;;;; made once, at the first HUNCHENTOOT:START, by MAKE-CONNECTION-ENGINE of
+;;;; the taskmaster, and the pool never asks which one it has.  The readiness
+;;;; engine (engine/readiness/, engine/serving/) is the one there is.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -15,9 +15,10 @@ Made once per taskmaster and kept from run to run, so that what it counts
 covers the taskmaster's whole life; ENGINE-START and ENGINE-FINISH bracket
 each run."))
 
-(defgeneric make-connection-engine (name taskmaster)
-  (:documentation "A new engine of the kind NAME (a PARALLEL-ACCEPTOR's
-:CONNECTION-ENGINE) for TASKMASTER, not yet started."))
+(defgeneric make-connection-engine (taskmaster)
+  (:documentation "A new engine for TASKMASTER, not yet started: the
+readiness engine for a RECYCLING-TASKMASTER.  A taskmaster class of another
+engine specializes it."))
 
 (defgeneric engine-start (engine)
   (:documentation "Get ENGINE ready for a run of its taskmaster's acceptor,

@@ -51,33 +51,10 @@ the kernel counts it in ticks of 10 ms.")
   "The share of the processors' time that must have been idle for the pool
 to grow.")
 
-(defconstant +processor-ticks-octets+ 512
-  "Room for the first line of /proc/stat: \"cpu\" and ten counts of ticks.")
-
-(defun parse-processor-ticks (buffer end)
-  "The ticks idle (idle and iowait) and the ticks in all (steal included,
-guest time being counted in user time already) of the first line of
-/proc/stat, in BUFFER below END; NIL when it is not such a line."
-  (let* ((line-end (or (position 10 buffer :end end) end))
-         (line (map 'string #'code-char (subseq buffer 0 line-end))))
-    (when (and (> (length line) 4) (string= "cpu " line :end2 4))
-      (let ((ticks (loop with position = 4
-                         repeat 8
-                         collect (multiple-value-bind (number number-end)
-                                     (parse-integer line :start position :junk-allowed t)
-                                   (setf position number-end)
-                                   number))))
-        (when (every #'integerp ticks)
-          (values (+ (nth 3 ticks) (nth 4 ticks))
-                  (reduce #'+ ticks)))))))
-
 (defstruct (idle-gauge (:constructor make-idle-gauge ()))
   "The processors' idle share, measured by the thread-making thread only."
-  ;; A descriptor open on /proc/stat, read again from its start at each
-  ;; reading (one pread(2), where opening, reading and closing the file
-  ;; took five system calls), or NIL while it could not be opened.
-  (stat-fd nil)
-  (buffer (make-array +processor-ticks-octets+ :element-type '(unsigned-byte 8)) :read-only t)
+  ;; Where the machine's processor time is read (sys/proc-stat.lisp).
+  (ticks (make-processor-ticks) :read-only t)
   ;; Internal real time of the last reading, and its ticks.
   (read-at nil)
   (idle-ticks 0)
@@ -88,21 +65,9 @@ guest time being counted in user time already) of the first line of
   ;; Workers the pool may still add before the next reading.
   (growth-budget 0))
 
-(defun read-processor-ticks (gauge)
-  "The machine's processor time now, as PARSE-PROCESSOR-TICKS gives it, read
-through GAUGE's descriptor on /proc/stat (opened first if need be), or NIL
-when it cannot be read."
-  (let* ((fd (or (idle-gauge-stat-fd gauge)
-                 (setf (idle-gauge-stat-fd gauge) (values (open-regular-file "/proc/stat")))))
-         (buffer (idle-gauge-buffer gauge))
-         (count (and fd (read-file-octets fd buffer 0))))
-    (and count (parse-processor-ticks buffer count))))
-
 (defun close-idle-gauge (gauge)
-  "Close GAUGE's descriptor on /proc/stat, if open."
-  (let ((fd (shiftf (idle-gauge-stat-fd gauge) nil)))
-    (when fd
-      (close-fd fd))))
+  "Let go of what GAUGE reads the processors' time through."
+  (close-processor-ticks (idle-gauge-ticks gauge)))
 
 (defun refresh-idle-gauge (gauge thread-count)
   "Read the processors' ticks into GAUGE again when +IDLE-SAMPLE-SECONDS+
@@ -114,7 +79,7 @@ bound while the share is measured again."
         (read-at (idle-gauge-read-at gauge)))
     (when (or (null read-at)
               (>= (- now read-at) (seconds->internal-units +idle-sample-seconds+)))
-      (multiple-value-bind (idle total) (read-processor-ticks gauge)
+      (multiple-value-bind (idle total) (read-processor-ticks (idle-gauge-ticks gauge))
         (let ((share (cond ((or (null idle) (zerop total)) nil)
                            ;; The first reading: the share since boot.
                            ((null read-at) (/ idle total))

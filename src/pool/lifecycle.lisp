@@ -32,11 +32,11 @@ PARALLEL-ACCEPTOR catches ACCEPTOR-ABANDONED."
           (growth-weighing-interval taskmaster) 0
           (next-growth-weighing taskmaster) 0)))
 
-(defun taskmaster-engine-for (taskmaster acceptor)
+(defun taskmaster-engine-for (taskmaster)
   "TASKMASTER's engine, made the first time it is asked for."
   (or (taskmaster-engine taskmaster)
       (setf (taskmaster-engine taskmaster)
-            (make-connection-engine (acceptor-connection-engine acceptor) taskmaster))))
+            (make-connection-engine taskmaster))))
 
 (defun standby-threads-started-p (taskmaster)
   "True when the standby workers exist and each has begun taking work.  Not
@@ -64,7 +64,7 @@ that they all wait: under load some already serve.  POOL-LOCK held."
     (handler-bind ((error (lambda (condition)
                             (declare (ignore condition))
                             (stop-listening-after-failed-start acceptor))))
-      (engine-start (taskmaster-engine-for taskmaster acceptor)))
+      (engine-start (taskmaster-engine-for taskmaster)))
     (start-thread-maker taskmaster)
     (with-pool-lock (taskmaster) (notify-thread-maker taskmaster))
     (unless (wait-for-pool taskmaster (lambda () (standby-threads-started-p taskmaster))

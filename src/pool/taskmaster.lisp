@@ -50,9 +50,7 @@
 each processor, and one for the processor whose worker has just entered a
 handler; any more, and a connection's bytes often wake a thread that was
 asleep, when a worker already running would have taken them a moment later
-(bench/profiles/2026-11-24-waiting-workers.txt: twice the processors was
-best before the request path was cut; on 2 processors, 3 then answered a
-tenth more than 4 at 0 ms, with a fifth of the thread switches)."
+(bench/profiles/2026-11-24-waiting-workers.txt)."
   (max 2 (1+ (online-processor-count))))
 
 (defvar *default-standby-thread-count* 8
@@ -137,19 +135,14 @@ it starts, or NIL, the default, for the one it inherits (the kernel's
 default, SCHED_OTHER, unless the process was started otherwise, as by
 chrt(1)).  Under :OTHER a worker woken -- its handler's sleep or database
 reply over, a connection's bytes come -- may preempt the thread running;
-under :BATCH it waits instead until that thread blocks or its time slice
-ends: workers are interchangeable, and preempting one in the middle of a
-request to run another costs two thread switches and the first one's warm
-caches.  Measured side by side (bench/run scheduling,
-bench/profiles/2026-11-25-batch-scheduling.txt), :BATCH answered a third
-more kept-alive requests to 1 ms handlers and a tenth more with one request
-per connection; but a worker woken for the listening socket waits its turn
-too, so that when a thousand clients connect while the processors are busy,
-accepting lags behind them: p99 rose from 52 ms to 405 ms, and with a
-connection per request the kernel's backlog (511 then) overflowed and 164
-of them timed out.  Hence not the default: :BATCH suits a pool whose
+under :BATCH it waits until that thread blocks or its time slice ends, and
+so does a worker woken for the listening socket: :BATCH suits a pool whose
 connections are few and long-lived, as behind a proxy that keeps its
-upstream connections alive.  Threads a handler starts inherit its worker's policy.")
+upstream connections alive (docs/operations.md).  Threads a handler starts
+inherit its worker's policy.")
+   ;; bench/profiles/2026-11-25-batch-scheduling.txt: :BATCH answered a
+   ;; third more kept-alive requests to 1 ms handlers, but when a thousand
+   ;; clients connected at once p99 rose from 52 ms to 405 ms.
    (engine
     :initform nil :accessor taskmaster-engine
     :documentation "The CONNECTION-ENGINE the workers serve, made by the first

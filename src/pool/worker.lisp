@@ -94,25 +94,21 @@ waiting while fewer than this many times MAX-WAITING-THREAD-COUNT wait.  On
 connections, 24 fewer.")
 
 (defun waiting-limit (taskmaster worker)
-  "How many workers may wait when WORKER joins them, by its last turn.
-After a quick request, MAX-WAITING-THREAD-COUNT, or one fewer when the turn
-began with a new connection: new connections come one at a time, each
-arming the engine's wait again as it is taken, and a worker asleep in that
-wait is woken for each one, to take turns with the workers already running
-(at one request per connection, the extra waiting worker cost a thread
-switch a connection and a tenth of the requests answered,
-bench/profiles/2026-11-25-new-connection-waits.txt).  After a long request,
-more: handlers that wait need workers in circulation.  On a kept-alive
-connection, up to +KEPT-ALIVE-WAITING-FACTOR+ times the maximum: the bytes
-of kept-alive connections queue in the engine for a worker back from its
-handler to take without sleeping, where each worker more asleep in the wait
-is one woken for them: at 1 ms and 1,000 connections, 12 % more requests
-answered with half the thread switches
-(bench/profiles/2026-11-26-waiting-after-long-requests.txt).  After a long
-request on a new connection, any number: new connections cannot queue for
-a returning worker, since the listening socket is armed one accept at a
-time, and there the same cap cost an eighth of the requests of one request
-per connection at 1 ms."
+  "How many workers may wait when WORKER joins them, by its last turn:
+after a quick request MAX-WAITING-THREAD-COUNT, one fewer when the turn
+began with a new connection; after a long request (a millisecond or more)
++KEPT-ALIVE-WAITING-FACTOR+ times it on a kept-alive connection, and any
+number on a new one."
+  ;; New connections come one at a time, each arming the engine's wait
+  ;; again as it is taken: a worker asleep there is woken for each one, to
+  ;; take turns with the workers running
+  ;; (bench/profiles/2026-11-25-new-connection-waits.txt).  Handlers that
+  ;; wait need workers in circulation: a kept-alive connection's bytes queue
+  ;; in the engine for a worker back from its handler, each worker more
+  ;; asleep in the wait is one woken for them
+  ;; (bench/profiles/2026-11-26-waiting-after-long-requests.txt); new
+  ;; connections cannot queue so, and a cap there cost an eighth of the
+  ;; requests at 1 ms.
   (let ((most (taskmaster-max-waiting-thread-count taskmaster)))
     (cond ((not (worker-last-request-long-p worker))
            (if (worker-last-turn-new-p worker) (max 1 (1- most)) most))

@@ -107,6 +107,14 @@ small the database: below it, letting removed pairs go is not worth a walk.")
   ;; The car of **MAX-TIME-CHANGES** when EARLIEST-EXPIRY was found.
   (max-time-changes 0 :type fixnum))
 
+(defclass in-process-sessions ()
+  ((index
+    :initform (make-session-index) :reader sessions-index
+    :documentation "The index by id of the in-process session database
+that HUNCHENTOOT:SESSION-DB returns for the acceptor."))
+  (:documentation "Where a parallel acceptor without a SESSION-STORE keeps
+its sessions: Hunchentoot's in-process database, found through an index."))
+
 (defun note-expiry (index session)
   "Lower INDEX's earliest expiry to SESSION's when it is earlier, or, when
 SESSION is not an IN-PROCESS-SESSION, keep it among those asked at each check."

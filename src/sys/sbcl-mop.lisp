@@ -53,7 +53,7 @@ object when it is one)."
   `(sb-mop:standard-instance-access ,instance ,location))
 
 ;;; Running the rest of a generic function's primary methods with one of
-;;; them replaced (the document root, static-files.lisp, takes the place of
+;;; them replaced (the document root, document-root.lisp, takes the place of
 ;;; Hunchentoot's last ACCEPTOR-DISPATCH-REQUEST method wherever a mixin
 ;;; puts it in the chain).
 

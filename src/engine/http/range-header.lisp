@@ -1,6 +1,7 @@
 ;;;; The Range header's grammar (RFC 9110 14.1.1): which byte ranges a
 ;;;; request asks for, read once for the head parser, which leaves out an
-;;;; invalid Range, and for the static files, which answer a valid one.
+;;;; invalid Range; and which ranges of a file of a known size it asks for
+;;;; (RFC 9110 14.1.2), for the static files, which answer a valid one.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -45,3 +46,42 @@ Content-Length)."
     (if (and range (null (parse-range-specs (cdr range))))
         (remove range headers)
         headers)))
+
+(defconstant +max-byte-ranges+ 16
+  "The most ranges one Range header may ask for; past it the header is
+ignored and the whole file sent (RFC 9110 14.2 lets a server ignore many
+small ranges, a sign of a broken client or of an attack).")
+
+(defun coalesced-ranges (ranges)
+  "RANGES, (START . END) pairs, as they are when none overlaps or touches
+another; else sorted, with each run of overlapping or adjacent ranges made
+one (RFC 9110 15.3.7.2 lets a server coalesce them, whatever their order)."
+  (let ((sorted (sort (copy-list ranges) #'< :key #'car)))
+    (if (loop for (range next) on sorted
+              never (and next (<= (car next) (cdr range))))
+        ranges
+        (let ((merged '()))
+          (dolist (range sorted (nreverse merged))
+            (if (and merged (<= (car range) (cdr (first merged))))
+                (setf (cdr (first merged)) (max (cdr (first merged)) (cdr range)))
+                (push (cons (car range) (cdr range)) merged)))))))
+
+(defun parse-byte-ranges (header-value size)
+  "The ranges the Range HEADER-VALUE asks of a file of SIZE octets: a list
+of (START . END) with END exclusive, clamped to the file, overlapping and
+adjacent ones coalesced; :UNSATISFIABLE when none overlaps it; NIL when the
+header is to be ignored and the whole file sent once: not a bytes
+ranges-specifier (PARSE-RANGE-SPECS), more than +MAX-BYTE-RANGES+ ranges,
+or ranges adding up to more than the file (as nginx does: 64 times 0- is
+one file, not 64)."
+  (let ((specs (parse-range-specs header-value)))
+    (when (and specs (<= (length specs) +max-byte-ranges+))
+      (let ((ranges (loop for (first . last) in specs
+                          ;; A suffix range is (NIL . LENGTH); LAST is NIL for an open range.
+                          for range = (if first
+                                          (and (< first size) (cons first (if last (min size (1+ last)) size)))
+                                          (and (plusp last) (plusp size) (cons (max 0 (- size last)) size)))
+                          when range collect range)))
+        (cond ((null ranges) :unsatisfiable)
+              ((> (loop for (start . end) in ranges sum (- end start)) size) nil)
+              (t (coalesced-ranges ranges)))))))

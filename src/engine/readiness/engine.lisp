@@ -35,7 +35,7 @@ arrived on parked connections while no worker is free (saturated-pool.lisp)."))
 the listening socket and every connection waiting for bytes, shared by
 every worker."))
 
-(defmethod make-connection-engine ((name (eql :readiness-set)) taskmaster)
+(defmethod make-connection-engine ((taskmaster recycling-taskmaster))
   (make-instance 'readiness-engine :taskmaster taskmaster))
 
 (defun engine-acceptor (engine)

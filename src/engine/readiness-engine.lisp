@@ -1,0 +1,148 @@
+;;;; The readiness engine's side of the engine protocol (protocol.lisp),
+;;;; what the pool asks of it: answered by the readiness set (readiness/) and
+;;;; the serving of its connections (serving/), the two floors it joins.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defun log-refused-request (acceptor addresses status)
+  "Write the access log entry of a request that the engine answered STATUS
+by itself (a refused head, a request that waited too long for a worker)
+on a connection with ADDRESSES, through HUNCHENTOOT:ACCEPTOR-LOG-ACCESS as
+for any reply: the request object it reads has the client's address and
+\"-\" for the method, the path and the protocol, which are not known or
+not trusted.  A failure to log is dropped, as by LOG-SAFELY."
+  (handler-case
+      (destructuring-bind (&optional remote-addr remote-port local-addr local-port) addresses
+        (let* ((hunchentoot:*acceptor* acceptor)
+               (hunchentoot:*reply* (make-instance (engine-reply-class acceptor)))
+               (hunchentoot:*session* nil)
+               (hunchentoot:*request*
+                 (make-instance (engine-request-class acceptor)
+                                :acceptor acceptor
+                                :local-addr local-addr :local-port local-port
+                                :remote-addr remote-addr :remote-port remote-port
+                                :headers-in '() :content-stream nil
+                                :method :- :uri "-" :server-protocol :-)))
+          (setf (hunchentoot:return-code*) status)
+          (hunchentoot:acceptor-log-access acceptor :return-code status)))
+    (error () nil)))
+
+(defmethod engine-start ((engine readiness-engine))
+  (let ((acceptor (engine-acceptor engine)))
+    ;; First, as it is what may fail (a file that does not load): nothing
+    ;; else has been made yet.
+    (setf (engine-tls-context engine) (make-acceptor-tls-context acceptor))
+    (setf (engine-readiness-set engine)
+          (make-readiness-set (acceptor-listen-socket acceptor) (engine-counters engine)
+                              (let ((octets (acceptor-memory-budget acceptor)))
+                                (if octets (make-memory-budget octets) (process-memory-budget)))
+                              :header-timeout (acceptor-header-timeout acceptor)
+                              :keep-alive-timeout (acceptor-keep-alive-timeout acceptor)
+                              :queue-timeout (acceptor-queue-timeout acceptor)
+                              :write-timeout (hunchentoot:acceptor-write-timeout acceptor)
+                              :read-timeout (hunchentoot:acceptor-read-timeout acceptor)
+                              :server-name (acceptor-server-name acceptor)
+                              :refusal-logger (lambda (connection status)
+                                                (log-refused-request acceptor (connection-addresses connection)
+                                                                     status)))
+          (engine-object-constructors engine) (make-object-constructors acceptor)
+          (engine-plain-streams-reset-p engine) (plain-streams-reset-p acceptor)
+          (engine-sweep-buffer engine)
+          (make-array (head-buffer-bytes acceptor) :element-type '(unsigned-byte 8)))))
+
+(defmethod engine-run-worker ((engine readiness-engine) worker)
+  (let* ((set (engine-readiness-set engine))
+         (serving (make-serving engine worker))
+         (*serving* serving)
+         (hunchentoot:*acceptor* (engine-acceptor engine)))
+    (loop for token = (next-ready-token engine worker set)
+          while token
+          do (let* ((new-p (= token +listen-token+))
+                    (connection (if new-p
+                                    (when-accepting (set) (take-new-connection engine set))
+                                    (take-ready-connection set token))))
+               (note-turn-taken worker new-p)
+               (when connection
+                 (serve-connection serving connection))))))
+
+;;; The set is NIL in the steps of a STOP below once ABANDON-ACCEPTOR, in
+;;; another thread, has ended the run under it: nothing is left to do.
+
+(defmethod engine-wake-workers ((engine readiness-engine))
+  (let ((set (engine-readiness-set engine)))
+    (when set
+      (wake-all-waiters set))))
+
+(defmethod engine-drain ((engine readiness-engine) deadline)
+  (let ((set (engine-readiness-set engine)))
+    (when set
+      (stop-accepting set)
+      ;; A socket from outside stays listening, its queue for the next process.
+      (when (own-listen-socket-p (engine-acceptor engine))
+        (take-queued-connections engine set deadline)
+        (refuse-connections set))
+      ;; Read in this order: a connection taken before ACCEPTING-ENDED-P is
+      ;; in the table, counted.
+      (loop (cond ((and (accepting-ended-p set) (zerop (unfinished-connection-count set))) (return t))
+                  ((>= (get-internal-real-time) deadline) (return nil))
+                  ((null (engine-readiness-set engine)) (return nil))
+                  (t (sleep 0.01)))))))
+
+(defmethod engine-close-idle-connections ((engine readiness-engine))
+  (let ((set (engine-readiness-set engine)))
+    (when set
+      (close-parked-connections set))))
+
+(defmethod engine-cut-connection ((engine readiness-engine) worker)
+  (call-with-held-connection worker (lambda (connection) (shut-down-fd (connection-fd connection)))))
+
+(defmethod engine-work-waiting-p ((engine readiness-engine))
+  ;; An epoll descriptor polls readable while it has events to report.
+  (let ((set (engine-readiness-set engine)))
+    (and set (wait-until-fd-readable (readiness-set-epoll-fd set) 0))))
+
+(defmethod engine-maintenance-interval ((engine readiness-engine))
+  +sweep-interval-seconds+)
+
+(defun tend-memory-budget (engine set)
+  "Log the beginning of an episode of SET's memory budget, once, and close
+the connections holding the most until it ends."
+  (let ((budget (readiness-set-memory-budget set)))
+    (when (claim-memory-episode-log budget)
+      (log-safely (engine-acceptor engine) :warning
+                  "The memory budget (~D octets) is spent: buffers are refused and the connections ~
+holding the most closed until less than ~D% of it is used."
+                  (memory-budget-limit budget) (round (* 100 +memory-relief-share+))))
+    (relieve-memory-pressure set)
+    (end-memory-episode-if-relieved budget)))
+
+(defmethod engine-maintain ((engine readiness-engine))
+  (let ((set (engine-readiness-set engine)))
+    ;; Before the deadlines: a head found complete is no longer late.
+    (sweep-while-no-worker-free engine set)
+    (close-expired-connections set)
+    (tend-memory-budget engine set)
+    (resume-accepting set)))
+
+(defmethod engine-statistics ((engine readiness-engine))
+  (readiness-statistics (engine-readiness-set engine) (engine-counters engine)))
+
+(defun free-engine-tls-context (engine)
+  ;; OpenSSL counts the connections still using it.
+  (let ((context (shiftf (engine-tls-context engine) nil)))
+    (when context
+      (free-tls-context context))))
+
+(defmethod engine-finish ((engine readiness-engine))
+  (let ((set (shiftf (engine-readiness-set engine) nil)))
+    (when set
+      (close-parked-connections set)
+      (destroy-readiness-set set)))
+  (free-engine-tls-context engine))
+
+(defmethod engine-abandon ((engine readiness-engine))
+  (let ((set (shiftf (engine-readiness-set engine) nil)))
+    (when set
+      (close-every-connection set)
+      (destroy-readiness-set set)))
+  (free-engine-tls-context engine))
