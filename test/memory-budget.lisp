@@ -130,8 +130,8 @@ octets; true when the server took them all."
   "The number the demo's /stats says for NAME, or NIL."
   (let ((text (ignore-errors (drakma:http-request (format nil "http://127.0.0.1:~D/stats" port)))))
     (and (stringp text)
-         (cl-ppcre:register-groups-bind (value) ((format nil "(?m)^~A: (\\d+)" name) text)
-           (parse-integer value)))))
+         (let ((groups (nth-value 1 (cl-ppcre:scan-to-strings (format nil "(?m)^~A: (\\d+)" name) text))))
+           (and groups (parse-integer (aref groups 0)))))))
 
 (defun demo-status (port path)
   (nth-value 1 (ignore-errors (drakma:http-request (format nil "http://127.0.0.1:~D~A" port path)

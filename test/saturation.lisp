@@ -216,7 +216,7 @@ SET started, and no worker."
        (setf (ht:taskmaster-acceptor (ht::acceptor-taskmaster ,acceptor)) ,acceptor
              (hrt::acceptor-shutting-down-p ,acceptor) nil)
        (ht:start-listening ,acceptor)
-       (let ((,engine (hrt::taskmaster-engine-for (ht::acceptor-taskmaster ,acceptor) ,acceptor))
+       (let ((,engine (hrt::taskmaster-engine-for (ht::acceptor-taskmaster ,acceptor)))
              (,port (usocket:get-local-port (hrt::acceptor-listen-socket ,acceptor))))
          (unwind-protect
               (progn (hrt::engine-start ,engine)

@@ -78,10 +78,15 @@ otherwise come after every component, out of reach of this handler."
           (with-compilation-unit (:override t)
             (funcall function))))))
 
-(defmethod asdf:perform :around ((operation asdf:compile-op) (component asdf:cl-source-file))
+;;; Around PERFORM-WITH-RESTARTS, not PERFORM: asdf-flv, which fiveam loads,
+;;; defines PERFORM :AROUND methods on these very classes, which replaced
+;;; ours as it loaded, and every later dependency compiled aloud (2,833
+;;; lines before the first test of a first `make test`).
+
+(defmethod asdf:perform-with-restarts :around ((operation asdf:compile-op) (component asdf:cl-source-file))
   (call-quietly component #'call-next-method))
 
-(defmethod asdf:perform :around ((operation asdf:load-op) (component asdf:cl-source-file))
+(defmethod asdf:perform-with-restarts :around ((operation asdf:load-op) (component asdf:cl-source-file))
   (call-quietly component #'call-next-method))
 
 (defun load-systems-quietly (&rest systems)
