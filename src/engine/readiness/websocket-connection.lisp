@@ -45,8 +45,10 @@
   ;; Set by a thread asking for the close (WS:CLOSE-CONNECTION): the code
   ;; and reason the holder closes with.
   (close-requested nil)
+  ;; Where the turns are in reading the client's frames: serving's
+  ;; (websocket-turn.lisp), kept here between turns, never read here.
+  (reader nil :read-only t)
   ;; Limits and times, from the acceptor: octets, internal time units.
-  (max-message-bytes 0 :type fixnum :read-only t)
   (max-queue-bytes 0 :type fixnum :read-only t)
   (ping-interval 0 :type fixnum :read-only t)
   (timeout 0 :type fixnum :read-only t)
@@ -55,24 +57,12 @@
   ;; been pinged since.
   (last-heard 0 :type fixnum)
   (pinged-p nil)
-  ;; The frame being read: whether its head has been read, then its
-  ;; opcode, whether it ends its message, its masking key, the payload
-  ;; octets still to come and those read so far.
-  (in-frame-p nil)
-  (frame-opcode 0 :type fixnum)
-  (frame-fin-p nil)
-  (frame-mask 0 :type (unsigned-byte 32))
-  (frame-left 0 :type fixnum)
-  (frame-read 0 :type fixnum)
   ;; The message being received: its opcode (NIL between messages), the
-  ;; internal real time its first frame began, the UTF-8 state of a text
-  ;; message's octets so far, and its octets so far (websocket-message.lisp).
+  ;; internal real time its first frame began, and its octets so far
+  ;; (websocket-message.lisp).
   (message-opcode nil)
   (message-started 0 :type fixnum)
-  (utf-8-state 0 :type fixnum)
   (message nil)
-  ;; The payload of the control frame being read.
-  (control nil)
   ;; The payloads of the pings heard this turn, not answered yet, newest
   ;; first, and the octets of their pongs: the turn's pongs leave as one
   ;; vector, so that a flood of pings costs one send, and a client that
@@ -98,12 +88,12 @@
   (print-unreadable-object (websocket stream :type t :identity t)
     (format stream "~S" (websocket-state websocket))))
 
-(defun make-websocket (set connection resource client acceptor)
+(defun make-websocket (set connection resource client acceptor reader)
   "The WEBSOCKET of CONNECTION, in SET, for CLIENT of RESOURCE, with
-ACCEPTOR's limits; counted open."
+ACCEPTOR's limits and the turns' frame READER; counted open."
   (atomic-increment (readiness-set-websocket-count set))
   (%make-websocket :connection connection :set set :acceptor acceptor :resource resource :client client
-                   :max-message-bytes (acceptor-max-websocket-message-bytes acceptor)
+                   :reader reader
                    :max-queue-bytes (acceptor-max-websocket-queue-bytes acceptor)
                    :ping-interval (seconds->internal-units (acceptor-websocket-ping-interval acceptor))
                    :timeout (seconds->internal-units (acceptor-websocket-timeout acceptor))

@@ -109,6 +109,25 @@ END to WEBSOCKET's resource.  :CLOSE when the resource failed, else NIL."
 
 ;;; Frames.
 
+(defstruct (frame-reader (:constructor make-frame-reader (max-message-bytes)))
+  "Where a websocket's turns are in reading its client's frames: the
+holder's alone, kept in the websocket's READER between turns."
+  ;; The largest message, octets, from the acceptor.
+  (max-message-bytes 0 :type fixnum :read-only t)
+  ;; The frame being read: whether its head has been read, then its
+  ;; opcode, whether it ends its message, its masking key, the payload
+  ;; octets still to come and those read so far.
+  (in-frame-p nil)
+  (opcode 0 :type fixnum)
+  (fin-p nil)
+  (mask 0 :type (unsigned-byte 32))
+  (left 0 :type fixnum)
+  (read 0 :type fixnum)
+  ;; The UTF-8 state of a text message's octets so far.
+  (utf-8-state 0 :type fixnum)
+  ;; The payload of the control frame being read.
+  (control nil))
+
 (defun frame-sequence-refusal (websocket opcode length)
   "The code to close WEBSOCKET with when a frame of OPCODE and LENGTH cannot
 come now: 1002 for a continuation outside a message or a new message
@@ -118,22 +137,24 @@ else NIL."
     (cond ((control-opcode-p opcode) nil)
           ((and (= opcode +continuation-opcode+) (null message-opcode)) 1002)
           ((and (/= opcode +continuation-opcode+) message-opcode) 1002)
-          ((> (+ length (websocket-message-length websocket)) (websocket-max-message-bytes websocket))
+          ((> (+ length (websocket-message-length websocket))
+              (frame-reader-max-message-bytes (websocket-reader websocket)))
            1009))))
 
 (defun begin-frame (websocket fin-p opcode length mask)
-  (setf (websocket-in-frame-p websocket) t
-        (websocket-frame-fin-p websocket) fin-p
-        (websocket-frame-opcode websocket) opcode
-        (websocket-frame-mask websocket) mask
-        (websocket-frame-left websocket) length
-        (websocket-frame-read websocket) 0)
-  (cond ((control-opcode-p opcode)
-         (setf (websocket-control websocket) (make-array length :element-type '(unsigned-byte 8))))
-        ((/= opcode +continuation-opcode+)
-         (setf (websocket-message-opcode websocket) opcode
-               (websocket-message-started websocket) (get-internal-real-time)
-               (websocket-utf-8-state websocket) 0))))
+  (let ((reader (websocket-reader websocket)))
+    (setf (frame-reader-in-frame-p reader) t
+          (frame-reader-fin-p reader) fin-p
+          (frame-reader-opcode reader) opcode
+          (frame-reader-mask reader) mask
+          (frame-reader-left reader) length
+          (frame-reader-read reader) 0)
+    (cond ((control-opcode-p opcode)
+           (setf (frame-reader-control reader) (make-array length :element-type '(unsigned-byte 8))))
+          ((/= opcode +continuation-opcode+)
+           (setf (websocket-message-opcode websocket) opcode
+                 (websocket-message-started websocket) (get-internal-real-time)
+                 (frame-reader-utf-8-state reader) 0)))))
 
 (defun answer-control-frame (websocket opcode payload)
   "Act on a whole control frame: a ping is answered with a pong of its
@@ -156,31 +177,32 @@ code and ends the websocket.  :CLOSE when the connection is to close."
 frame's payload: unmask them, check a text message's UTF-8, keep them with
 the message or control frame; once the frame is whole, act on it.  :CLOSE
 when the connection is to close, else NIL."
-  (let ((opcode (websocket-frame-opcode websocket))
-        (read (websocket-frame-read websocket))
-        (count (- end start)))
-    (unmask-octets buffer start end (websocket-frame-mask websocket) (logand read 3))
+  (let* ((reader (websocket-reader websocket))
+         (opcode (frame-reader-opcode reader))
+         (read (frame-reader-read reader))
+         (count (- end start)))
+    (unmask-octets buffer start end (frame-reader-mask reader) (logand read 3))
     (if (control-opcode-p opcode)
-        (replace (websocket-control websocket) buffer :start1 read :start2 start :end2 end)
+        (replace (frame-reader-control reader) buffer :start1 read :start2 start :end2 end)
         (let ((message-opcode (websocket-message-opcode websocket)))
           (when (= message-opcode +text-opcode+)
-            (let ((state (scan-utf-8 (websocket-utf-8-state websocket) buffer start end)))
+            (let ((state (scan-utf-8 (frame-reader-utf-8-state reader) buffer start end)))
               (unless state
                 (return-from take-payload (fail-websocket websocket 1007 "Invalid UTF-8")))
-              (setf (websocket-utf-8-state websocket) state)))))
-    (incf (websocket-frame-read websocket) count)
-    (decf (websocket-frame-left websocket) count)
-    (let ((whole-p (zerop (websocket-frame-left websocket)))
-          (fin-p (websocket-frame-fin-p websocket)))
+              (setf (frame-reader-utf-8-state reader) state)))))
+    (incf (frame-reader-read reader) count)
+    (decf (frame-reader-left reader) count)
+    (let ((whole-p (zerop (frame-reader-left reader)))
+          (fin-p (frame-reader-fin-p reader)))
       (when whole-p
-        (setf (websocket-in-frame-p websocket) nil))
+        (setf (frame-reader-in-frame-p reader) nil))
       (cond ((control-opcode-p opcode)
              (when whole-p
-               (answer-control-frame websocket opcode (shiftf (websocket-control websocket) nil))))
+               (answer-control-frame websocket opcode (shiftf (frame-reader-control reader) nil))))
             ((and whole-p fin-p (null (websocket-message websocket)) (= read 0))
              ;; A message of one frame, all in the buffer: handed on from there.
              (end-message websocket buffer start end))
-            ((not (keep-message-octets websocket buffer start end (+ count (websocket-frame-left websocket))))
+            ((not (keep-message-octets websocket buffer start end (+ count (frame-reader-left reader))))
              (fail-websocket websocket 1013 "Out of memory"))
             ((and whole-p fin-p)
              (let ((octets (message-octets (websocket-message websocket))))
@@ -194,7 +216,8 @@ when the memory budget had no room for them."
                           (setf (websocket-message websocket) (make-arriving-message)))
                       (readiness-set-memory-budget (websocket-set websocket))
                       buffer start end frame-rest
-                      (- (websocket-max-message-bytes websocket) (websocket-message-length websocket))))
+                      (- (frame-reader-max-message-bytes (websocket-reader websocket))
+                         (websocket-message-length websocket))))
 
 (defun end-message (websocket octets start end)
   "The last frame of WEBSOCKET's message has arrived, its payload the
@@ -203,7 +226,7 @@ the middle of a character (1007).  :CLOSE when the connection is to close."
   (let ((opcode (websocket-message-opcode websocket)))
     (drop-websocket-message websocket)
     (setf (websocket-message-opcode websocket) nil)
-    (if (and (= opcode +text-opcode+) (/= 0 (websocket-utf-8-state websocket)))
+    (if (and (= opcode +text-opcode+) (/= 0 (frame-reader-utf-8-state (websocket-reader websocket))))
         (fail-websocket websocket 1007 "Invalid UTF-8")
         (deliver-message websocket opcode octets start end))))
 
@@ -211,14 +234,15 @@ the middle of a character (1007).  :CLOSE when the connection is to close."
   "Act on the frames in BUFFER below END, their octets having arrived
 after what WEBSOCKET has read of them.  The position where the unread
 head of a frame begins (END when there is none), or :CLOSE."
-  (let ((position 0))
+  (let ((reader (websocket-reader websocket))
+        (position 0))
     (loop
-      (cond ((websocket-in-frame-p websocket)
-             (let ((take-end (min end (+ position (websocket-frame-left websocket)))))
+      (cond ((frame-reader-in-frame-p reader)
+             (let ((take-end (min end (+ position (frame-reader-left reader)))))
                (when (eq (take-payload websocket buffer position take-end) :close)
                  (return :close))
                (setf position take-end)
-               (when (and (= position end) (websocket-in-frame-p websocket))
+               (when (and (= position end) (frame-reader-in-frame-p reader))
                  (return end))))
             (t
              (multiple-value-bind (status fin-p opcode length mask head-end) (parse-frame-head buffer position end)
@@ -295,7 +319,9 @@ what the client has sent.  The turn's outcome."
   (let* ((upgrade (shiftf (serving-upgrade serving) nil))
          (resource (websocket-upgrade-resource upgrade))
          (client (websocket-upgrade-client upgrade))
-         (websocket (make-websocket (serving-set serving) connection resource client (serving-acceptor serving))))
+         (acceptor (serving-acceptor serving))
+         (websocket (make-websocket (serving-set serving) connection resource client acceptor
+                                    (make-frame-reader (acceptor-max-websocket-message-bytes acceptor)))))
     (setf (client-websocket client) websocket
           (connection-websocket connection) websocket)
     (add-resource-client resource client)
