@@ -133,16 +133,17 @@ holding the most closed until less than ~D% of it is used."
     (when context
       (free-tls-context context))))
 
-(defmethod engine-finish ((engine readiness-engine))
+(defun end-engine-run (engine close-connections)
+  "End ENGINE's run: its connections closed by CLOSE-CONNECTIONS (called
+with the set), its set destroyed, its TLS context freed."
   (let ((set (shiftf (engine-readiness-set engine) nil)))
     (when set
-      (close-parked-connections set)
+      (funcall close-connections set)
       (destroy-readiness-set set)))
   (free-engine-tls-context engine))
 
+(defmethod engine-finish ((engine readiness-engine))
+  (end-engine-run engine #'close-parked-connections))
+
 (defmethod engine-abandon ((engine readiness-engine))
-  (let ((set (shiftf (engine-readiness-set engine) nil)))
-    (when set
-      (close-every-connection set)
-      (destroy-readiness-set set)))
-  (free-engine-tls-context engine))
+  (end-engine-run engine #'close-every-connection))

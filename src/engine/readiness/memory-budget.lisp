@@ -75,12 +75,16 @@ own (:MEMORY-BUDGET): made at the first start, a quarter of the dynamic space.")
 (defun begin-memory-episode (budget)
   (compare-and-swap (memory-budget-episode budget) nil :begun))
 
-(defun reserve-memory (budget octets)
+(defun reserve-memory (budget octets &key input-p)
   "Take OCTETS from BUDGET before a buffer of them is made.  True when they
-fit under its limit; false, with nothing taken and the refusal counted
-(an episode begun), when they do not."
+fit under its limit -- strictly under +MEMORY-RELIEF-SHARE+ of it for a
+client's INPUT-P octets, so that clients sending what never ends cannot
+leave no room for what is sent to the others; false, with nothing taken
+and the refusal counted (an episode begun), when they do not."
   (let ((used (+ (atomic-add (memory-budget-used budget) octets) octets)))
-    (cond ((<= used (memory-budget-limit budget))
+    (cond ((if input-p
+               (< used (* +memory-relief-share+ (memory-budget-limit budget)))
+               (<= used (memory-budget-limit budget)))
            (note-memory-peak budget used)
            t)
           (t (atomic-subtract (memory-budget-used budget) octets)

@@ -37,7 +37,7 @@ BUDGET had no room for a piece (the octets are then not all kept)."
                ;; At least 4 KiB, so that a message of tiny frames is not
                ;; kept in tiny vectors.
                (let ((size (min +message-piece-bytes+ (max frame-rest 4096) room)))
-                 (unless (reserve-memory budget size)
+                 (unless (reserve-memory budget size :input-p t)
                    (return-from add-message-octets nil))
                  (incf (arriving-message-reserved message) size)
                  (setf piece (make-array size :element-type '(unsigned-byte 8))
