@@ -40,27 +40,35 @@ REQUEST-CLASS can find their sessions in SESSIONS."))
 string STRING) among SESSIONS, or NIL; a wrong STRING leaves that session
 alone.  Under a store that does not answer, an UNREACHABLE-SESSION."))
 
-(defgeneric add-new-session (sessions acceptor session continue)
+(defgeneric add-new-session (sessions acceptor session next)
   (:documentation "Keep SESSION, just started under ACCEPTOR, in SESSIONS,
-calling CONTINUE (the methods of HUNCHENTOOT:SESSION-CREATED after ours)
+calling NEXT (the methods of HUNCHENTOOT:SESSION-CREATED after ours)
 where Hunchentoot's own would still run."))
 
-(defgeneric sessions-database (sessions acceptor continue)
-  (:documentation "What HUNCHENTOOT:SESSION-DB returns for ACCEPTOR;
-CONTINUE returns Hunchentoot's in-process database."))
+(defgeneric sessions-database (sessions acceptor next)
+  (:documentation "What HUNCHENTOOT:SESSION-DB returns for ACCEPTOR; NEXT
+returns Hunchentoot's in-process database."))
 
-(defgeneric sessions-database-lock (sessions acceptor continue)
+(defgeneric sessions-database-lock (sessions acceptor next)
   (:documentation "What HUNCHENTOOT:SESSION-DB-LOCK returns for ACCEPTOR;
-CONTINUE returns Hunchentoot's lock."))
+NEXT returns Hunchentoot's lock."))
 
-(defgeneric replace-sessions-database (sessions acceptor database continue)
+(defgeneric replace-sessions-database (sessions acceptor database next)
   (:documentation "Do what (SETF HUNCHENTOOT:SESSION-DB) of DATABASE does
-for ACCEPTOR; CONTINUE sets Hunchentoot's in-process database."))
+for ACCEPTOR; NEXT sets Hunchentoot's in-process database."))
 
-(defgeneric call-handler-with-sessions (sessions acceptor continue)
-  (:documentation "Run the request's handler, CONTINUE (the methods of
+(defgeneric call-handler-with-sessions (sessions acceptor next)
+  (:documentation "Run the request's handler, NEXT (the methods of
 HUNCHENTOOT:HANDLE-REQUEST after ours), and what SESSIONS needs around it;
 its values."))
+
+(defmacro ask-sessions (function acceptor &rest arguments)
+  "Call FUNCTION, a generic function above, with ACCEPTOR's sessions,
+ACCEPTOR, ARGUMENTS and NEXT, which runs the methods after the method this
+appears in: only within a method's body."
+  `(flet ((next () (call-next-method)))
+     (declare (dynamic-extent #'next))
+     (,function (acceptor-sessions ,acceptor) ,acceptor ,@arguments #'next)))
 
 (defmethod hunchentoot:start :before ((acceptor parallel-acceptor))
   "Refuse to start with a request class that cannot find the acceptor's
@@ -257,9 +265,7 @@ alone, which COLLECT-EXPIRED-SESSIONS-WHEN-DUE then does in its place."
 
 (defmethod hunchentoot:session-created ((acceptor parallel-acceptor) (session hunchentoot:session))
   "Keep the new SESSION where ACCEPTOR's sessions live (ADD-NEW-SESSION)."
-  (flet ((next () (call-next-method)))
-    (declare (dynamic-extent #'next))
-    (add-new-session (acceptor-sessions acceptor) acceptor session #'next)))
+  (ask-sessions add-new-session acceptor session))
 
 (defmethod add-new-session ((sessions in-process-sessions) acceptor session next)
   "Make SESSION an IN-PROCESS-SESSION, which the session index can tell has
@@ -293,9 +299,7 @@ own counting of new sessions for SESSION-GC."
 
 (defmethod hunchentoot:session-db ((acceptor parallel-acceptor))
   "What ACCEPTOR's sessions make of it (SESSIONS-DATABASE)."
-  (flet ((next () (call-next-method)))
-    (declare (dynamic-extent #'next))
-    (sessions-database (acceptor-sessions acceptor) acceptor #'next)))
+  (ask-sessions sessions-database acceptor))
 
 (defmethod sessions-database ((sessions in-process-sessions) acceptor next)
   "Hunchentoot's in-process database."
@@ -314,9 +318,7 @@ Hunchentoot would add or look up here is the store's business."
 (defmethod hunchentoot:session-db-lock ((acceptor parallel-acceptor) &key (whole-db-p t))
   "What ACCEPTOR's sessions make of it (SESSIONS-DATABASE-LOCK)."
   (declare (ignore whole-db-p))
-  (flet ((next () (call-next-method)))
-    (declare (dynamic-extent #'next))
-    (sessions-database-lock (acceptor-sessions acceptor) acceptor #'next)))
+  (ask-sessions sessions-database-lock acceptor))
 
 (defmethod sessions-database-lock ((sessions in-process-sessions) acceptor next)
   "Hunchentoot's lock."
@@ -331,9 +333,7 @@ itself."
 
 (defmethod (setf hunchentoot:session-db) (database (acceptor parallel-acceptor))
   "What ACCEPTOR's sessions make of it (REPLACE-SESSIONS-DATABASE)."
-  (flet ((next () (call-next-method)))
-    (declare (dynamic-extent #'next))
-    (replace-sessions-database (acceptor-sessions acceptor) acceptor database #'next)))
+  (ask-sessions replace-sessions-database acceptor database))
 
 (defmethod replace-sessions-database ((sessions in-process-sessions) acceptor database next)
   "Hunchentoot's in-process database becomes DATABASE."
@@ -369,9 +369,7 @@ handler changed it."
 
 (defmethod hunchentoot:handle-request :around ((acceptor parallel-acceptor) (request hunchentoot:request))
   "Run the handler as ACCEPTOR's sessions need (CALL-HANDLER-WITH-SESSIONS)."
-  (flet ((next () (call-next-method)))
-    (declare (dynamic-extent #'next))
-    (call-handler-with-sessions (acceptor-sessions acceptor) acceptor #'next)))
+  (ask-sessions call-handler-with-sessions acceptor))
 
 (defmethod call-handler-with-sessions ((sessions in-process-sessions) acceptor next)
   "The handler alone: an in-process session is changed where it lives."
