@@ -82,7 +82,7 @@ True when the body went whole or will."
       (send-reply-pieces request return-code content-length pieces (file-to-send-fd file))
       (progn (setf (hunchentoot:return-code*) return-code
                    (hunchentoot:content-length*) content-length)
-             (write-pieces pieces (file-to-send-fd file) (hunchentoot:send-headers)))))
+             (write-reply-body pieces (file-to-send-fd file) (hunchentoot:send-headers)))))
 
 (defun latin-1-octets (control &rest arguments)
   (flex:string-to-octets (apply #'format nil control arguments) :external-format :latin-1))

@@ -75,7 +75,7 @@ text, octets for binary).  True when it is sent or waits to be; NIL when
 CLIENT is closing or closed, or the frame does not fit what may wait for it
 or the memory budget (the client is then closed, with 1008 or 1013)."
   (let ((websocket (client-websocket client)))
-    (when (and websocket (eq (websocket-state websocket) :open))
+    (when (and websocket (websocket-open-p websocket))
       (let* ((frame (message-frame opcode message (readiness-set-memory-budget (websocket-set websocket))))
              (offered (if frame
                           (offer-websocket-frame websocket frame)
@@ -121,14 +121,14 @@ thread: what was sent to it before goes first, then the close frame; the
 connection ends when the client answers with its own, or after 5 s."
   (assert (sendable-close-code-p status) (status) "~S is not a close code a frame may carry." status)
   (let ((websocket (client-websocket client)))
-    (when (and websocket (eq (websocket-state websocket) :open))
+    (when (and websocket (websocket-open-p websocket))
       (setf (websocket-close-requested websocket) (list status reason))
       (serve-websocket-output websocket))))
 
 (defun ws:client-open-p (client)
   "True while CLIENT's websocket is open: messages sent to it are sent."
   (let ((websocket (client-websocket client)))
-    (and websocket (eq (websocket-state websocket) :open))))
+    (and websocket (websocket-open-p websocket))))
 
 ;;; A resource that takes no messages of a kind.
 

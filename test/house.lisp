@@ -1,7 +1,8 @@
 ;;;; The rules of docs/contributing.md that a machine can check: each
 ;;;; library file compiles alone in the .asd's order, no library file is over
-;;;; 400 lines, the layout table lists every file of the checkout, and the
-;;;; statistics table of docs/operations.md is *STATISTICS-KEYS*'s.
+;;;; 400 lines, the layout table lists every file of the checkout, the
+;;;; statistics table of docs/operations.md is *STATISTICS-KEYS*'s, and
+;;;; serving/ uses no name of readiness/ but those of its face.
 
 (in-package #:hunchentoot-recycling-taskmaster-test)
 
@@ -131,3 +132,41 @@ the runs the docs quote, nothing else."
     (dolist (report reports)
       (is (search (subseq report (length "bench/results/")) documentation)
           "~A is committed but cited nowhere" report))))
+
+(defun file-symbols (file package)
+  "Every symbol of PACKAGE that the forms of FILE, read in PACKAGE, name."
+  (let ((symbols '())
+        (*package* package))
+    (labels ((walk (form)
+               (cond ((and (symbolp form) (eq (symbol-package form) package)) (pushnew form symbols))
+                     ((consp form) (walk (car form)) (walk (cdr form))))))
+      (with-open-file (in file)
+        (loop for form = (read in nil in)
+              until (eq form in)
+              do (walk form))))
+    symbols))
+
+(defun defined-under-p (symbol folder)
+  "True when a function, macro, generic function or accessor named
+SYMBOL is defined in a file under FOLDER of the checkout (the issue's
+rule: a struct or class name used as a type does not count)."
+  (let ((folder (namestring (checkout-path folder))))
+    (loop for type in '(:function :macro :generic-function)
+            thereis (loop for source in (ignore-errors (sb-introspect:find-definition-sources-by-name symbol type))
+                          for path = (sb-introspect:definition-source-pathname source)
+                            thereis (and path (uiop:string-prefix-p folder (namestring path)))))))
+
+(test house.serving-uses-only-the-readiness-face
+  (let* ((package (find-package "HUNCHENTOOT-RECYCLING-TASKMASTER"))
+         (face (string-downcase
+                (text-between (uiop:read-file-string (checkout-path "src/engine/readiness/face.lisp"))
+                              ";;;; The face," "(in-package")))
+         (used (sort (remove-if-not (lambda (symbol) (defined-under-p symbol "src/engine/readiness/"))
+                                    (remove-duplicates
+                                     (loop for file in (directory (checkout-path "src/engine/serving/*.lisp"))
+                                           append (file-symbols file package))))
+                     #'string< :key #'symbol-name)))
+    (is (<= 20 (length used) 35) "serving/ uses ~D names of readiness/: ~(~{~A~^ ~}~)" (length used) used)
+    (dolist (symbol used)
+      (is (cl-ppcre:scan (format nil "(?<![a-z0-9-])~A(?![a-z0-9-])" (cl-ppcre:quote-meta-chars (string-downcase symbol))) face)
+          "serving/ uses ~(~A~), which readiness/face.lisp does not list" symbol))))

@@ -147,6 +147,20 @@ refused with."
                (setf (arriving-body-file body) (open (arriving-body-path body) :element-type '(unsigned-byte 8))))
         (make-octets-input-stream (arriving-body-octets body) :end (arriving-body-fill body)))))
 
+(defun receive-arriving-body (connection buffer memory-limit)
+  "Read what has arrived of CONNECTION's ARRIVING-BODY through BUFFER,
+keeping up to MEMORY-LIMIT octets of it in memory (RECEIVE-BODY-OCTETS).
+Once it is whole: :WHOLE, the octets read after it (the next request's,
+empty but for a chunked body), its REQUEST-HEAD, a binary input stream of
+it, and whether it is chunked.  Else :WOULD-BLOCK, :CLOSED, or :REFUSE and
+the status a chunked body is refused with."
+  (let ((body (connection-arriving-body connection)))
+    (multiple-value-bind (state detail) (receive-body-octets connection body buffer memory-limit)
+      (if (eq state :whole)
+          (values :whole (or detail #()) (arriving-body-head body) (arrived-body-stream body)
+                  (and (arriving-body-framing body) t))
+          (values state detail)))))
+
 (defun discard-arriving-body (set connection)
   "Forget CONNECTION's ARRIVING-BODY, removing its temporary file."
   (let ((body (shiftf (connection-arriving-body connection) nil)))

@@ -96,6 +96,30 @@ gone or the file ended early."
   "BODY -- NIL, octets, or a list of pieces -- as a list of pieces."
   (if (listp body) body (list (make-octets-piece body 0 (length body)))))
 
+(defconstant +copy-buffer-octets+ 65536
+  "The piece in which a file is copied where it cannot be sent by sendfile.")
+
+(defun copy-file-octets (file-fd stream start end)
+  "Write the octets of FILE-FD from START below END to STREAM through a
+buffer.  True when they all could be read; false when the file ended early
+(it was truncated)."
+  (let ((buffer (make-array (min +copy-buffer-octets+ (max 1 (- end start))) :element-type '(unsigned-byte 8))))
+    (loop for position = start then (+ position count)
+          for count = (and (< position end) (read-file-octets file-fd buffer position))
+          while (and count (plusp count))
+          do (write-sequence buffer stream :end (min count (- end position)))
+          finally (return (>= position end)))))
+
+(defun write-reply-body (body file-fd stream)
+  "Write BODY -- NIL, octets, or a list of pieces whose file pieces are
+copied from FILE-FD -- to STREAM.  True when it all went whole."
+  (loop for piece in (body-pieces body)
+        always (if (piece-octets piece)
+                   (progn (write-sequence (piece-octets piece) stream
+                                          :start (piece-start piece) :end (piece-end piece))
+                          t)
+                   (copy-file-octets file-fd stream (piece-start piece) (piece-end piece)))))
+
 (defun send-reply-without-waiting (set connection head head-end body file-fd)
   "Send a reply on CONNECTION, held by the caller, as far as its socket
 takes it now: the octets of HEAD below HEAD-END (a buffer the caller

@@ -61,7 +61,7 @@ CONNECTION ready, so that the first worker free takes it."
                (t (wait-for-rest-of-head engine set connection))))
         (t (refuse-and-close set connection status))))))
 
-(defun send-rest-of-reply (engine set connection)
+(defun resume-reply-while-saturated (engine set connection)
   "CONNECTION's socket has room for more of its reply: send it, without
 waiting, as a worker would, then park it again for the rest, or look at
 what the client has sent since."
@@ -81,7 +81,7 @@ anything counts as a request waiting for a worker."
          ;; Its frames are read by a worker; what is sent to it goes now.
          (unless (eq (park-websocket (connection-websocket connection)) t)
            (close-connection set connection)))
-        ((connection-outgoing connection) (send-rest-of-reply engine set connection))
+        ((connection-outgoing connection) (resume-reply-while-saturated engine set connection))
         ((or (connection-arriving-body connection) (connection-handshake connection))
          ;; Its body is read, or its handshake taken, by a worker, under the
          ;; deadline it was parked with.

@@ -57,11 +57,10 @@
   ;; been pinged since.
   (last-heard 0 :type fixnum)
   (pinged-p nil)
-  ;; The message being received: its opcode (NIL between messages), the
-  ;; internal real time its first frame began, and its octets so far
-  ;; (websocket-message.lisp).
-  (message-opcode nil)
-  (message-started 0 :type fixnum)
+  ;; The message being received: the internal real time its first frame
+  ;; began (NIL between messages), and its octets kept so far
+  ;; (websocket-message.lisp), NIL while none are.
+  (message-started nil :type (or null fixnum))
   (message nil)
   ;; The payloads of the pings heard this turn, not answered yet, newest
   ;; first, and the octets of their pongs: the turn's pongs leave as one
@@ -89,16 +88,17 @@
     (format stream "~S" (websocket-state websocket))))
 
 (defun make-websocket (set connection resource client acceptor reader)
-  "The WEBSOCKET of CONNECTION, in SET, for CLIENT of RESOURCE, with
-ACCEPTOR's limits and the turns' frame READER; counted open."
+  "Make CONNECTION, in SET, a WEBSOCKET for CLIENT of RESOURCE, with
+ACCEPTOR's limits and the turns' frame READER, counted open; returns it."
   (atomic-increment (readiness-set-websocket-count set))
-  (%make-websocket :connection connection :set set :acceptor acceptor :resource resource :client client
-                   :reader reader
-                   :max-queue-bytes (acceptor-max-websocket-queue-bytes acceptor)
-                   :ping-interval (seconds->internal-units (acceptor-websocket-ping-interval acceptor))
-                   :timeout (seconds->internal-units (acceptor-websocket-timeout acceptor))
-                   :message-timeout (seconds->internal-units (acceptor-websocket-message-timeout acceptor))
-                   :last-heard (get-internal-real-time)))
+  (setf (connection-websocket connection)
+              (%make-websocket :connection connection :set set :acceptor acceptor :resource resource :client client
+                         :reader reader
+                         :max-queue-bytes (acceptor-max-websocket-queue-bytes acceptor)
+                         :ping-interval (seconds->internal-units (acceptor-websocket-ping-interval acceptor))
+                         :timeout (seconds->internal-units (acceptor-websocket-timeout acceptor))
+                         :message-timeout (seconds->internal-units (acceptor-websocket-message-timeout acceptor))
+                         :last-heard (get-internal-real-time))))
 
 (defun websocket-message-length (websocket)
   "The octets of WEBSOCKET's message kept so far."
@@ -267,9 +267,10 @@ pinged."
                      (if (websocket-pinged-p websocket)
                          (websocket-timeout websocket)
                          (min (websocket-ping-interval websocket) (websocket-timeout websocket))))
-                  (if (websocket-message-opcode websocket)
-                      (+ (websocket-message-started websocket) (websocket-message-timeout websocket))
-                      most-positive-fixnum))))))
+                  (let ((started (websocket-message-started websocket)))
+                    (if started
+                        (+ started (websocket-message-timeout websocket))
+                        most-positive-fixnum)))))))
 
 (defun park-websocket (websocket)
   "Send what WEBSOCKET has to send, then park its connection, held by the
@@ -324,7 +325,7 @@ closing and the client's close frame never came."
             ((eq (websocket-state websocket) :closing) :close)
             ((>= now (+ (websocket-last-heard websocket) (websocket-timeout websocket)))
              (close-with 1001 "No answer"))
-            ((and (websocket-message-opcode websocket)
+            ((and (websocket-message-started websocket)
                   (>= now (+ (websocket-message-started websocket) (websocket-message-timeout websocket))))
              (close-with 1008 "Message too slow"))
             ((< now (+ (websocket-last-heard websocket) (websocket-ping-interval websocket)))

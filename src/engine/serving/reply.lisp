@@ -222,30 +222,6 @@ SEND-RESPONSE does.  Returns the REPLY-HEAD."
       (push-reply-head return-code headers head '()))
     head))
 
-(defconstant +copy-buffer-octets+ 65536
-  "The piece in which a file is copied where it cannot be sent by sendfile.")
-
-(defun copy-file-octets (file-fd stream start end)
-  "Write the octets of FILE-FD from START below END to STREAM through a
-buffer.  True when they all could be read; false when the file ended early
-(it was truncated)."
-  (let ((buffer (make-array (min +copy-buffer-octets+ (max 1 (- end start))) :element-type '(unsigned-byte 8))))
-    (loop for position = start then (+ position count)
-          for count = (and (< position end) (read-file-octets file-fd buffer position))
-          while (and count (plusp count))
-          do (write-sequence buffer stream :end (min count (- end position)))
-          finally (return (>= position end)))))
-
-(defun write-pieces (pieces file-fd stream)
-  "Write PIECES to STREAM, file pieces copied from FILE-FD.  True when they
-all went whole."
-  (loop for piece in pieces
-        always (if (piece-octets piece)
-                   (progn (write-sequence (piece-octets piece) stream
-                                          :start (piece-start piece) :end (piece-end piece))
-                          t)
-                   (copy-file-octets file-fd stream (piece-start piece) (piece-end piece)))))
-
 (defun engine-reply-connection ()
   "The plain connection a reply may be left to the engine on: the
 current request's, when the handler neither detached it nor wrapped its
@@ -253,7 +229,7 @@ stream.  NIL otherwise."
   (let ((connection (and *serving* (serving-reply-connection *serving*))))
     (and connection
          (close-connection-stream-p)
-         (eq (current-connection-stream) (connection-fd-stream connection))
+         (eq (current-connection-stream) (connection-stream connection))
          connection)))
 
 (defun send-reply-pieces (request return-code content-length body &optional file-fd)
@@ -285,7 +261,7 @@ gone or the file ended early."
                                       (reply-head-octets head) (reply-head-end head) body file-fd))
         (let ((stream (current-connection-stream)))
           (write-sequence (reply-head-octets head) stream :end (reply-head-end head))
-          (write-pieces (body-pieces (if (stringp body) (ascii-string-octets body) body)) file-fd stream)))))
+          (write-reply-body (if (stringp body) (ascii-string-octets body) body) file-fd stream)))))
 
 (defun send-octets-reply (request return-code content)
   "Send RETURN-CODE with the body CONTENT, a string or octets, head and

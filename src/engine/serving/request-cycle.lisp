@@ -10,24 +10,15 @@
 ;;;;                   The next request's octets start the worker's buffer,
 ;;;;                   END of them (0: none yet).  Never the end of a turn:
 ;;;;                   the cycle goes on to that request.
-;;;;   :PARK end       The next head has not all arrived; END octets of it
-;;;;                   start the buffer.  Wait for more, under the header
-;;;;                   timeout (or, with none, the keep-alive timeout).
-;;;;   :READ-BODY      A request's body is arriving: wait for more of it.
-;;;;   :SEND-REST end  The socket did not take a reply whole: wait for room,
-;;;;                   keeping the END octets the client sent meanwhile.
-;;;;   :CLOSE          The connection ends: the reply said so, or the client
-;;;;                   went away.
-;;;;   :LET-GO         A handler took the connection over (DETACH-SOCKET).
 ;;;;   :UPGRADE end    A websocket handshake was answered 101: the
 ;;;;                   connection becomes a websocket, END octets of its
 ;;;;                   first frames starting the buffer.
-;;;;   :REFUSE status  Answer STATUS and close, no handler asked.
 ;;;;
-;;;; PROCESS-CONNECTION (connections.lisp) parks, closes or lets go of the
-;;;; connection by the outcome of the turn.  The worker's buffer is never an
-;;;; argument of these functions, whose frames a handler's backtrace shows:
-;;;; it holds other clients' octets.
+;;;; or one of the outcomes a turn ends with (readiness/face.lisp): :PARK,
+;;;; :READ-BODY, :SEND-REST, :CLOSE, :LET-GO, :REFUSE.  PROCESS-CONNECTION
+;;;; (connections.lisp) hands the outcome of the turn to END-TURN.  The
+;;;; worker's buffer is never an argument of these functions, whose frames a
+;;;; handler's backtrace shows: it holds other clients' octets.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -106,9 +97,7 @@ body refused before the reply began)."
       (setf (serving-reply-connection serving) nil)
       ;; Also when the request failed: a soft STOP waits for it.
       (setf microseconds (note-request-finished taskmaster worker :answered (and outcome t))))
-    (setf (connection-answered-p connection) t)
-    (count-answered-request (readiness-set-counters (serving-set serving)) (serving-counter-stripe serving)
-                            status microseconds)
+    (note-answered-request (serving-set serving) connection (serving-counter-stripe serving) status microseconds)
     outcome))
 
 ;;; A request whose body arrives after its head.
@@ -119,11 +108,10 @@ answer its request.  :READ-BODY while more is to come; :REFUSE 500 when it
 could not be stored, 400 or 413 when its chunked framing is refused;
 :CLOSE when the client left; else the request's outcome, with the octets
 read past a chunked body's end as the next request's."
-  (let* ((acceptor (serving-acceptor serving))
-         (buffer (serving-buffer serving))
-         (body (connection-arriving-body connection)))
-    (multiple-value-bind (state detail)
-        (handler-case (receive-body-octets connection body buffer (acceptor-body-buffer-bytes acceptor))
+  (let ((acceptor (serving-acceptor serving))
+        (buffer (serving-buffer serving)))
+    (multiple-value-bind (state detail head body-stream chunked-p)
+        (handler-case (receive-arriving-body connection buffer (acceptor-body-buffer-bytes acceptor))
           (request-body-not-stored (condition)
             (log-safely acceptor :error "~A" condition)
             (return-from answer-arrived-body (values :refuse 500))))
@@ -132,24 +120,21 @@ read past a chunked body's end as the next request's."
         (:closed :close)
         (:refuse (values :refuse detail))
         (:whole
-         (let ((chunked-p (and (arriving-body-framing body) t))
-               (next-octets (or detail #())))
-           (multiple-value-bind (outcome status)
-               (unwind-protect
-                    (answer-request serving connection (arriving-body-head body)
-                                    (if chunked-p
-                                        ;; The reply goes through it too.
-                                        (make-chunked-body-stream
-                                         (make-two-way-stream (arrived-body-stream body)
-                                                              (connection-stream connection))
-                                         (acceptor-max-body-bytes acceptor))
-                                        (arrived-body-stream body))
-                                    chunked-p nil)
-                 (discard-arriving-body (serving-set serving) connection))
-             (if (eq outcome :next)
-                 (progn (replace buffer next-octets)
-                        (values :next (length next-octets)))
-                 (values outcome status)))))))))
+         (multiple-value-bind (outcome status)
+             (unwind-protect
+                  (answer-request serving connection head
+                                  (if chunked-p
+                                      ;; The reply goes through it too.
+                                      (make-chunked-body-stream
+                                       (make-two-way-stream body-stream (connection-stream connection))
+                                       (acceptor-max-body-bytes acceptor))
+                                      body-stream)
+                                  chunked-p nil)
+               (discard-arriving-body (serving-set serving) connection))
+           (if (eq outcome :next)
+               (progn (replace buffer detail)
+                      (values :next (length detail)))
+               (values outcome status))))))))
 
 (defun start-reading-body (serving connection head length framing head-end end)
   "Make the body of HEAD (LENGTH octets, or chunked as FRAMING follows),
@@ -197,7 +182,7 @@ END octets having arrived in all, or begin reading its body."
          (headers (request-head-headers head))
          (framing nil)
          (framing-refusal nil))
-    (cond ((memory-budget-exceeded-p (readiness-set-memory-budget (serving-set serving)))
+    (cond ((memory-budget-exceeded-p (serving-budget serving))
            ;; No new work while what was counted as it came passes the budget.
            (values :refuse :memory))
           ((and (assoc :transfer-encoding headers)
@@ -228,7 +213,7 @@ END octets having arrived in all, or begin reading its body."
              (when chunked-p
                ;; Read through the connection stream, which may leave
                ;; octets on the socket that no new edge will report.
-               (setf (connection-unread-p connection) t))
+               (note-input-read-by-stream connection))
              (multiple-value-bind (content-stream buffered)
                  (if body-p
                      (content-stream-for chunked-p (connection-stream connection) buffer head-end
@@ -252,11 +237,10 @@ has sent so far, reading the bodies that follow their heads, until the
 connection has to wait or end: the outcome of the turn, never :NEXT."
   (let* ((buffer (serving-buffer serving))
          (max-header-bytes (acceptor-max-header-bytes (serving-acceptor serving)))
-         (end (take-pending-bytes connection buffer (readiness-set-memory-budget (serving-set serving)))))
-    (when (connection-outgoing connection)
-      (case (send-outgoing (serving-set serving) connection)
-        (:would-block (return-from answer-arrived-requests (values :send-rest end)))
-        (:close (return-from answer-arrived-requests :close))))
+         (end (take-pending-bytes connection buffer (serving-budget serving))))
+    (case (send-rest-of-reply (serving-set serving) connection)
+      (:would-block (return-from answer-arrived-requests (values :send-rest end)))
+      (:close (return-from answer-arrived-requests :close)))
     (loop
       (multiple-value-bind (outcome detail)
           (if (connection-arriving-body connection)
@@ -267,30 +251,27 @@ connection has to wait or end: the outcome of the turn, never :NEXT."
                   (:complete (answer-head serving connection request-start request-line-end head-end end))
                   (:incomplete (values :park end))
                   (t (values :refuse status)))))
-        (let ((outgoing (connection-outgoing connection)))
-          (case outcome
-            (:park
-             ;; Read what else has come before parking.
-             (let ((count (receive-bytes connection buffer end (length buffer))))
-               (cond ((eq count :would-block) (return (values :park end)))
-                     ((or (eq count :error) (zerop count)) (return :close))
-                     (t (unless (connection-head-started connection)
-                          (setf (connection-head-started connection) (get-internal-real-time)))
-                        (incf end count)))))
-            (:next
-             (setf end detail
-                   (connection-head-started connection) (and (plusp end) (get-internal-real-time)))
-             (when outgoing
-               (setf (outgoing-then outgoing) :keep-alive)
-               (return (values :send-rest end)))
-             (when (zerop end)
-               ;; Trying one more read before parking did not pay (bench
-               ;; run 2026-11-22T004655Z): a kept-alive connection parks.
-               (return (values :park 0))))
-            (:upgrade (return (values :upgrade detail)))
-            ((:close :let-go)
-             (when outgoing
-               (setf (outgoing-then outgoing) :close)
-               (return (values :send-rest 0)))
-             (return outcome))
-            (t (return (values outcome detail)))))))))
+        (case outcome
+          (:park
+           ;; Read what else has come before parking.
+           (let ((count (receive-bytes connection buffer end (length buffer))))
+             (cond ((eq count :would-block) (return (values :park end)))
+                   ((or (eq count :error) (zerop count)) (return :close))
+                   (t (note-head-octets connection)
+                      (incf end count)))))
+          (:next
+           (setf end detail)
+           (when (plusp end)
+             (note-head-octets connection))
+           (when (follow-reply-rest-with connection :keep-alive)
+             (return (values :send-rest end)))
+           (when (zerop end)
+             ;; Trying one more read before parking did not pay (bench
+             ;; run 2026-11-22T004655Z): a kept-alive connection parks.
+             (return (values :park 0))))
+          (:upgrade (return (values :upgrade detail)))
+          ((:close :let-go)
+           (when (follow-reply-rest-with connection :close)
+             (return (values :send-rest 0)))
+           (return outcome))
+          (t (return (values outcome detail))))))))

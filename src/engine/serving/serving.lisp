@@ -11,8 +11,9 @@
   (engine nil :type readiness-engine :read-only t)
   ;; The pool's WORKER record of the thread.
   (worker nil :read-only t)
-  ;; The engine's READINESS-SET of this run.
+  ;; The engine's READINESS-SET of this run, and its MEMORY-BUDGET.
   (set nil :type readiness-set :read-only t)
+  (budget nil :type memory-budget :read-only t)
   (acceptor nil :read-only t)
   ;; Where heads are read and the next request's octets moved to.  It holds
   ;; other clients' octets: it is never an argument a handler's backtrace
@@ -80,17 +81,3 @@ since the request began, a cache miss at each)."
     (not (equal methods
                 (list (find-method #'hunchentoot:reset-connection-stream '()
                                    (list (find-class 'hunchentoot:acceptor) (find-class t))))))))
-
-(defun make-serving (engine worker)
-  "The SERVING of WORKER, a worker of ENGINE, for ENGINE's current run."
-  (let ((acceptor (engine-acceptor engine))
-        (set (engine-readiness-set engine)))
-    (%make-serving :engine engine :worker worker :set set :acceptor acceptor
-                   :buffer (make-array (head-buffer-bytes acceptor) :element-type '(unsigned-byte 8))
-                   :constructors (engine-object-constructors engine)
-                   :plain-streams-reset-p (engine-plain-streams-reset-p engine)
-                   :keep-alive-header-value (format nil "timeout=~D" (floor (acceptor-keep-alive-timeout acceptor)))
-                   :server-header-value (acceptor-server-name acceptor)
-                   :counter-stripe (mod (atomic-increment (readiness-set-counting-workers set))
-                                        +request-count-stripes+)
-                   :requests-in-progress-location (requests-in-progress-location acceptor))))

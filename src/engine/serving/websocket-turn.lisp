@@ -4,8 +4,8 @@
 ;;;; does when its client's octets have arrived -- read the frames, answer
 ;;;; pings and the close, and hand each whole message to the resource
 ;;;; (websocket-resources.lisp).  A turn ends with the outcome
-;;;; :WEBSOCKET (park it: PARK-WEBSOCKET) or :CLOSE, as request-cycle.lisp's
-;;;; turns do.  Between turns an idle websocket holds no thread and no
+;;;; :WEBSOCKET (parked by END-TURN, readiness/face.lisp) or :CLOSE, as
+;;;; request-cycle.lisp's turns do.  Between turns an idle websocket holds no thread and no
 ;;;; buffer: only the octets of a frame head that has partly arrived, and
 ;;;; a message begun.
 
@@ -67,45 +67,16 @@ methods, as on Hunchentoot's acceptors."
         (answer-websocket-handshake resource request)
         (call-next-method))))
 
-;;; Calling the resource.
-
-(defun call-resource (websocket function &rest arguments)
-  "Call FUNCTION, the name of one of the resource generic functions, on ARGUMENTS with
-Hunchentoot's specials bound as in the request that opened WEBSOCKET.
-True when it returned; when an error escaped it, the error is logged,
-WEBSOCKET is to close with 1011, and NIL is returned."
-  (let* ((client (websocket-client websocket))
-         (request (ws:client-request client))
-         (hunchentoot:*acceptor* (websocket-acceptor websocket))
-         (hunchentoot:*request* request)
-         (hunchentoot:*session* (hunchentoot:session request)))
-    (handler-case (progn (apply function arguments) t)
-      (error (condition)
-        (log-safely (websocket-acceptor websocket) :error "Error in ~(~A~) of ~A: ~A"
-                    function (websocket-resource websocket) condition)
-        (fail-websocket websocket 1011 "Internal error")
-        nil))))
-
-(defun fail-websocket (websocket code reason)
-  "Make WEBSOCKET close with CODE and REASON (RFC 6455 7.1.7): the
-turn's outcome, :CLOSE."
-  (setf (websocket-close-code websocket) code
-        (websocket-close-reason websocket) reason)
-  :close)
+;;; Handing messages on.
 
 (defun deliver-message (websocket opcode octets start end)
   "Hand the message of OPCODE whose payload is the OCTETS from START below
 END to WEBSOCKET's resource.  :CLOSE when the resource failed, else NIL."
-  (atomic-increment (connection-counters-websocket-messages-in (websocket-counters websocket)))
-  (when (eq (websocket-state websocket) :open)
-    (let ((resource (websocket-resource websocket))
-          (client (websocket-client websocket)))
-      (unless (if (= opcode +text-opcode+)
-                  (call-resource websocket 'ws:text-message-received resource client
-                                 (utf-8-octets-string octets start end))
-                  (call-resource websocket 'ws:binary-message-received resource client
-                                 (subseq octets start end)))
-        :close))))
+  (when (note-websocket-message websocket)
+    (unless (if (= opcode +text-opcode+)
+                (call-resource websocket 'ws:text-message-received (utf-8-octets-string octets start end))
+                (call-resource websocket 'ws:binary-message-received (subseq octets start end)))
+      :close)))
 
 ;;; Frames.
 
@@ -114,6 +85,8 @@ END to WEBSOCKET's resource.  :CLOSE when the resource failed, else NIL."
 holder's alone, kept in the websocket's READER between turns."
   ;; The largest message, octets, from the acceptor.
   (max-message-bytes 0 :type fixnum :read-only t)
+  ;; The opcode of the message being read; NIL between messages.
+  (message-opcode nil)
   ;; The frame being read: whether its head has been read, then its
   ;; opcode, whether it ends its message, its masking key, the payload
   ;; octets still to come and those read so far.
@@ -133,7 +106,7 @@ holder's alone, kept in the websocket's READER between turns."
 come now: 1002 for a continuation outside a message or a new message
 inside one (RFC 6455 5.4), 1009 for a message over the acceptor's limit;
 else NIL."
-  (let ((message-opcode (websocket-message-opcode websocket)))
+  (let ((message-opcode (frame-reader-message-opcode (websocket-reader websocket))))
     (cond ((control-opcode-p opcode) nil)
           ((and (= opcode +continuation-opcode+) (null message-opcode)) 1002)
           ((and (/= opcode +continuation-opcode+) message-opcode) 1002)
@@ -152,9 +125,9 @@ else NIL."
     (cond ((control-opcode-p opcode)
            (setf (frame-reader-control reader) (make-array length :element-type '(unsigned-byte 8))))
           ((/= opcode +continuation-opcode+)
-           (setf (websocket-message-opcode websocket) opcode
-                 (websocket-message-started websocket) (get-internal-real-time)
-                 (frame-reader-utf-8-state reader) 0)))))
+           (setf (frame-reader-message-opcode reader) opcode
+                 (frame-reader-utf-8-state reader) 0)
+           (begin-websocket-message websocket)))))
 
 (defun answer-control-frame (websocket opcode payload)
   "Act on a whole control frame: a ping is answered with a pong of its
@@ -167,9 +140,8 @@ code and ends the websocket.  :CLOSE when the connection is to close."
         (t
          (multiple-value-bind (code reason) (parse-close-payload payload 0 (length payload))
            (cond ((eq code :refuse) (fail-websocket websocket reason (if (eql reason 1007) "Invalid UTF-8" "Protocol error")))
-                 ((eq (websocket-state websocket) :open)
-                  (send-close-frame websocket (or code 1000) "")
-                  :close)
+                 ;; Answered with its code as the websocket closes (END-WEBSOCKET).
+                 ((websocket-open-p websocket) (fail-websocket websocket (or code 1000) ""))
                  (t :close))))))
 
 (defun take-payload (websocket buffer start end)
@@ -184,7 +156,7 @@ when the connection is to close, else NIL."
     (unmask-octets buffer start end (frame-reader-mask reader) (logand read 3))
     (if (control-opcode-p opcode)
         (replace (frame-reader-control reader) buffer :start1 read :start2 start :end2 end)
-        (let ((message-opcode (websocket-message-opcode websocket)))
+        (let ((message-opcode (frame-reader-message-opcode reader)))
           (when (= message-opcode +text-opcode+)
             (let ((state (scan-utf-8 (frame-reader-utf-8-state reader) buffer start end)))
               (unless state
@@ -199,36 +171,28 @@ when the connection is to close, else NIL."
       (cond ((control-opcode-p opcode)
              (when whole-p
                (answer-control-frame websocket opcode (shiftf (frame-reader-control reader) nil))))
-            ((and whole-p fin-p (null (websocket-message websocket)) (= read 0))
+            ((and whole-p fin-p (zerop (websocket-message-length websocket)) (= read 0))
              ;; A message of one frame, all in the buffer: handed on from there.
              (end-message websocket buffer start end))
-            ((not (keep-message-octets websocket buffer start end (+ count (frame-reader-left reader))))
+            ((not (keep-message-octets websocket buffer start end (+ count (frame-reader-left reader))
+                                       (- (frame-reader-max-message-bytes reader)
+                                          (websocket-message-length websocket))))
              (fail-websocket websocket 1013 "Out of memory"))
             ((and whole-p fin-p)
-             (let ((octets (message-octets (websocket-message websocket))))
-               (end-message websocket octets 0 (length octets))))))))
+             (end-message websocket))))))
 
-(defun keep-message-octets (websocket buffer start end frame-rest)
-  "Keep the octets of BUFFER from START below END, FRAME-REST octets of
-their frame being left from START on, with WEBSOCKET's message.  False
-when the memory budget had no room for them."
-  (add-message-octets (or (websocket-message websocket)
-                          (setf (websocket-message websocket) (make-arriving-message)))
-                      (readiness-set-memory-budget (websocket-set websocket))
-                      buffer start end frame-rest
-                      (- (frame-reader-max-message-bytes (websocket-reader websocket))
-                         (websocket-message-length websocket))))
-
-(defun end-message (websocket octets start end)
-  "The last frame of WEBSOCKET's message has arrived, its payload the
-OCTETS from START below END: hand the message on, unless a text ends in
-the middle of a character (1007).  :CLOSE when the connection is to close."
-  (let ((opcode (websocket-message-opcode websocket)))
-    (drop-websocket-message websocket)
-    (setf (websocket-message-opcode websocket) nil)
-    (if (and (= opcode +text-opcode+) (/= 0 (frame-reader-utf-8-state (websocket-reader websocket))))
-        (fail-websocket websocket 1007 "Invalid UTF-8")
-        (deliver-message websocket opcode octets start end))))
+(defun end-message (websocket &optional octets start end)
+  "The last frame of WEBSOCKET's message has arrived: hand the message on,
+its payload the OCTETS from START below END when given (none were kept),
+else the octets kept of it, unless a text ends in the middle of a character (1007).  :CLOSE when
+the connection is to close."
+  (let* ((reader (websocket-reader websocket))
+         (opcode (shiftf (frame-reader-message-opcode reader) nil))
+         (kept (end-websocket-message websocket)))
+    (cond ((and (= opcode +text-opcode+) (/= 0 (frame-reader-utf-8-state reader)))
+           (fail-websocket websocket 1007 "Invalid UTF-8"))
+          (octets (deliver-message websocket opcode octets start end))
+          (t (deliver-message websocket opcode kept 0 (length kept))))))
 
 (defun read-frames (websocket buffer end)
   "Act on the frames in BUFFER below END, their octets having arrived
@@ -258,28 +222,15 @@ head of a frame begins (END when there is none), or :CLOSE."
 
 ;;; A turn.
 
-(defun client-reads-slower-than-it-sends-p (websocket)
-  "Send the pongs and what the client's own messages made for it (its
-messages echoed or broadcast back) as far as its socket takes them now;
-true when half its queue's limit still waits, so that the turn reads no
-more of what it sent until it has taken that: a client that sends faster
-than it reads is slowed, not closed for the answers to its own messages."
-  ;; The pongs first, as at the end of a turn (PARK-WEBSOCKET).
-  (queue-websocket-pongs websocket)
-  (when (or (websocket-inbox websocket) (websocket-queue websocket))
-    (send-websocket-queue websocket))
-  (> (websocket-unsent-octets websocket) (floor (websocket-max-queue-bytes websocket) 2)))
-
 (defun answer-websocket-frames (serving connection
                                 &optional (end (take-pending-bytes connection (serving-buffer serving)
-                                                                   (readiness-set-memory-budget (serving-set serving)))))
+                                                                   (serving-budget serving))))
   "Read what CONNECTION's client has sent, without waiting, after the END
-octets at the start of the buffer, and act on its frames.  :WEBSOCKET when
-the connection is to park (with the start of a frame head that arrived in
-part), :CLOSE when it is to close."
-  (let* ((websocket (connection-websocket connection))
-         (counters (websocket-counters websocket))
-         (buffer (serving-buffer serving)))
+octets at the start of the buffer, and act on its frames.  :WEBSOCKET and
+the octets of a frame head that arrived in part, at the buffer's start,
+when the connection is to park; :CLOSE when it is to close."
+  (let ((websocket (connection-websocket connection))
+        (buffer (serving-buffer serving)))
     (flet ((act-on-frames ()
              ;; True when the connection is to close; else the start of a
              ;; frame head that arrived in part is moved to the buffer's start.
@@ -299,17 +250,15 @@ part), :CLOSE when it is to close."
                            (:would-block (return :websocket))
                            ((0 :error) (return (fail-websocket websocket 1006 "")))
                            (t (incf end count)
-                              (atomic-add (connection-counters-websocket-octets-in counters) count)
-                              (setf (websocket-last-heard websocket) (get-internal-real-time)
-                                    (websocket-pinged-p websocket) nil)
+                              (note-websocket-input websocket count)
                               (when (act-on-frames)
                                 (return :close))
                               (when (client-reads-slower-than-it-sends-p websocket)
                                 (return :websocket)))))
                     finally (return :websocket))))
-        (when (eq outcome :websocket)
-          (keep-pending-bytes connection buffer end (readiness-set-memory-budget (serving-set serving))))
-        outcome))))
+        (if (eq outcome :websocket)
+            (values :websocket end)
+            outcome)))))
 
 (defun open-websocket (serving connection end)
   "Make CONNECTION, whose handshake was just answered 101, the websocket of
@@ -322,9 +271,8 @@ what the client has sent.  The turn's outcome."
          (acceptor (serving-acceptor serving))
          (websocket (make-websocket (serving-set serving) connection resource client acceptor
                                     (make-frame-reader (acceptor-max-websocket-message-bytes acceptor)))))
-    (setf (client-websocket client) websocket
-          (connection-websocket connection) websocket)
+    (setf (client-websocket client) websocket)
     (add-resource-client resource client)
-    (if (call-resource websocket 'ws:client-connected resource client)
+    (if (call-resource websocket 'ws:client-connected)
         (answer-websocket-frames serving connection (or end 0))
         :close)))

@@ -1,0 +1,224 @@
+;;;; The readiness set's face to the turns that serve its connections
+;;;; (engine/serving/), as engine/protocol.lisp is the engine's face to the
+;;;; pool: every operation a worker's turn may perform on a connection it
+;;;; holds.  serving/ uses the names listed here and no other name defined
+;;;; under readiness/ (test house.serving-uses-only-the-readiness-face).
+;;;;
+;;;; A turn.  A worker that takes a connection from the set holds it
+;;;; (connection.lisp, Ownership), starts its stream if it has none
+;;;; (START-CONNECTION-SOCKET), reads what arrived, answers, and ends the
+;;;; turn with an outcome; after letting go of it in the pool, it hands the
+;;;; outcome to END-TURN, which parks, closes or lets go of the connection.
+;;;; A turn never arms a descriptor, sets a deadline or parks by itself:
+;;;; the edge invariant (a parked connection with unread octets is armed
+;;;; again, readiness-set.lisp) and every deadline are readiness's.  What a
+;;;; turn must say for them to hold, it says through the NOTE- functions.
+;;;;
+;;;; Outcomes of a turn, with their detail (END-TURN):
+;;;;
+;;;;   :PARK end        Wait for more of a head, END octets of it starting the
+;;;;                    buffer (0: none), under the header timeout (or, with
+;;;;                    no head begun, the keep-alive timeout).
+;;;;   :READ-BODY       Wait for more of the ARRIVING-BODY, under the read
+;;;;                    timeout.
+;;;;   :SEND-REST end   Wait for room for the rest of a reply, under the
+;;;;                    write timeout, keeping the END octets the client sent
+;;;;                    meanwhile.
+;;;;   :WEBSOCKET end   Park the websocket (PARK-WEBSOCKET), END octets of a
+;;;;                    frame head that arrived in part starting the buffer.
+;;;;   :HANDSHAKE for   Wait until the socket is ready FOR (:INPUT, :OUTPUT)
+;;;;                    the TLS handshake, under the header timeout.
+;;;;   :CLOSE           Close it.
+;;;;   :LET-GO          Forget it: a handler took it over (DETACH-SOCKET).
+;;;;   :REFUSE status   Answer the error reply of STATUS and close it;
+;;;;                    :MEMORY is 503 for a memory budget past its limit.
+;;;;
+;;;; The face, by what a turn does (the functions' docstrings are the
+;;;; contracts; those not defined below say in which file):
+;;;;
+;;;;   Start and end      START-CONNECTION-SOCKET, which makes the
+;;;;                      CONNECTION-SOCKET (connection-socket.lisp) that
+;;;;                      PROCESS-CONNECTION is called with; END-TURN.
+;;;;   Read               TAKE-PENDING-BYTES, RECEIVE-BYTES (arrived-octets.lisp):
+;;;;                      the octets kept while parked, then the socket's;
+;;;;                      READ-ARRIVED-OCTETS (arrived-octets.lisp) what a
+;;;;                      stream read ahead; CONNECTION-STREAM,
+;;;;                      PLAIN-CONNECTION-P, CONNECTION-ADDRESSES
+;;;;                      (connection.lisp).
+;;;;   Bodies             START-ARRIVING-BODY, RECEIVE-ARRIVING-BODY,
+;;;;                      DISCARD-ARRIVING-BODY (arriving-body.lisp),
+;;;;                      CONNECTION-ARRIVING-BODY (connection.lisp).
+;;;;   Reply              SEND-REPLY-WITHOUT-WAITING, WRITE-REPLY-BODY
+;;;;                      (outgoing.lisp); SEND-REST-OF-REPLY,
+;;;;                      FOLLOW-REPLY-REST-WITH.
+;;;;   Note               NOTE-HEAD-OCTETS, NOTE-INPUT-READ-BY-STREAM,
+;;;;                      NOTE-ANSWERED-REQUEST; MEMORY-BUDGET-EXCEEDED-P
+;;;;                      (memory-budget.lisp) before new work.
+;;;;   Websocket          MAKE-WEBSOCKET (websocket-connection.lisp),
+;;;;                      CONNECTION-WEBSOCKET, and its WEBSOCKET-READER: the
+;;;;                      turns' own frame reader, opaque here;
+;;;;                      WEBSOCKET-OPEN-P, NOTE-WEBSOCKET-INPUT,
+;;;;                      NOTE-WEBSOCKET-PING (websocket-connection.lisp),
+;;;;                      BEGIN-WEBSOCKET-MESSAGE, KEEP-MESSAGE-OCTETS,
+;;;;                      WEBSOCKET-MESSAGE-LENGTH (websocket-connection.lisp),
+;;;;                      END-WEBSOCKET-MESSAGE, NOTE-WEBSOCKET-MESSAGE,
+;;;;                      CALL-RESOURCE, FAIL-WEBSOCKET,
+;;;;                      CLIENT-READS-SLOWER-THAN-IT-SENDS-P.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+;;; Start and end.
+
+(defun start-connection-socket (engine connection)
+  "The CONNECTION-SOCKET that HUNCHENTOOT:PROCESS-CONNECTION is called with
+for CONNECTION, held by the caller, its stream started first when it has
+none (START-CONNECTION-STREAM).  Else :INPUT or :OUTPUT while its TLS
+handshake waits for the socket (the turn ends :HANDSHAKE with it), or NIL
+when the client has gone, the handshake failed or the pool is stopping
+(the turn ends :CLOSE)."
+  (or (connection-socket connection)
+      (let ((started (start-connection-stream engine connection)))
+        (if (eq started t) (connection-socket connection) started))))
+
+(defun end-turn (engine set connection buffer outcome detail)
+  "Act on the OUTCOME of a turn on CONNECTION, with its DETAIL (see the
+outcomes above), the caller having held the connection in SET and let go
+of it in the pool; BUFFER is the worker's, whose first octets a parked
+connection keeps."
+  (ecase outcome
+    (:park (park-or-end engine set connection buffer detail))
+    (:read-body (park-until-body-arrives engine set connection))
+    (:send-rest (park-until-writable engine set connection buffer detail))
+    (:websocket (if (stopping-p engine)
+                    (close-connection set connection)
+                    (progn (keep-pending-bytes connection buffer detail (readiness-set-memory-budget set))
+                           (unless (eq (park-websocket (connection-websocket connection)) t)
+                             (close-connection set connection)))))
+    (:handshake (park-during-handshake engine set connection detail))
+    (:close (close-connection set connection))
+    (:let-go (remove-connection set connection))
+    (:refuse (if (eq detail :memory)
+                 (refuse-for-memory set connection)
+                 (refuse-and-close set connection detail)))))
+
+;;; Reply.
+
+(defun send-rest-of-reply (set connection)
+  "Send more of the rest of CONNECTION's last reply that its socket did not
+take, if there is one (NIL when not): what follows once it has all gone
+(:KEEP-ALIVE or :CLOSE), :WOULD-BLOCK when the socket is full again, or
+:CLOSE when the client has gone."
+  (when (connection-outgoing connection)
+    (send-outgoing set connection)))
+
+(defun follow-reply-rest-with (connection then)
+  "When the socket did not take CONNECTION's reply whole, make THEN
+(:KEEP-ALIVE or :CLOSE) follow its rest, and return true; else NIL."
+  (let ((outgoing (connection-outgoing connection)))
+    (when outgoing
+      (setf (outgoing-then outgoing) then)
+      t)))
+
+;;; Note.
+
+(defun note-head-octets (connection)
+  "Octets of CONNECTION's next head have arrived: its header timeout runs
+from now, unless it runs already."
+  (unless (connection-head-started connection)
+    (setf (connection-head-started connection) (get-internal-real-time))))
+
+(defun note-input-read-by-stream (connection)
+  "A stream reads CONNECTION's input (a chunked body): octets may wait on
+its socket that no new edge will report, and the connection is armed again
+when it parks."
+  (setf (connection-unread-p connection) t))
+
+(defun note-answered-request (set connection stripe status microseconds)
+  "CONNECTION's request was answered STATUS in MICROSECONDS: counted in
+STRIPE of SET's counters; a soft STOP no longer waits for the connection
+(ENGINE-DRAIN); the next head's header timeout runs from its first octets
+(NOTE-HEAD-OCTETS)."
+  (setf (connection-answered-p connection) t
+        (connection-head-started connection) nil)
+  (count-answered-request (readiness-set-counters set) stripe status microseconds))
+
+;;; Websocket.
+
+(defun websocket-open-p (websocket)
+  "True while WEBSOCKET neither sent its close frame nor ended."
+  (eq (websocket-state websocket) :open))
+
+(defun fail-websocket (websocket code reason)
+  "Make WEBSOCKET close with CODE and REASON (RFC 6455 7.1.7): returns the
+turn's outcome, :CLOSE."
+  (setf (websocket-close-code websocket) code
+        (websocket-close-reason websocket) reason)
+  :close)
+
+(defun note-websocket-input (websocket count)
+  "COUNT octets came from WEBSOCKET's client: it has been heard now, and
+need not be pinged before the ping interval from now."
+  (atomic-add (connection-counters-websocket-octets-in (websocket-counters websocket)) count)
+  (setf (websocket-last-heard websocket) (get-internal-real-time)
+        (websocket-pinged-p websocket) nil))
+
+(defun begin-websocket-message (websocket)
+  "The first frame of a message from WEBSOCKET's client has begun: the
+message timeout runs from now."
+  (setf (websocket-message-started websocket) (get-internal-real-time)))
+
+(defun keep-message-octets (websocket buffer start end frame-rest room)
+  "Keep the octets of BUFFER from START below END, FRAME-REST octets of
+their frame being left from START on, with WEBSOCKET's message, which may
+take ROOM octets more.  False when the memory budget had no room for them."
+  (add-message-octets (or (websocket-message websocket)
+                          (setf (websocket-message websocket) (make-arriving-message)))
+                      (readiness-set-memory-budget (websocket-set websocket))
+                      buffer start end frame-rest room))
+
+(defun end-websocket-message (websocket)
+  "The message from WEBSOCKET's client has ended: its octets kept by
+KEEP-MESSAGE-OCTETS in one vector, or NIL when none were; the memory they
+took is given back and the message timeout stops."
+  (let ((message (websocket-message websocket)))
+    (setf (websocket-message-started websocket) nil)
+    (when message
+      (prog1 (message-octets message)
+        (drop-websocket-message websocket)))))
+
+(defun note-websocket-message (websocket)
+  "A whole message came from WEBSOCKET's client: counted.  True when the
+websocket is open, so that it is handed to the resource."
+  (atomic-increment (connection-counters-websocket-messages-in (websocket-counters websocket)))
+  (websocket-open-p websocket))
+
+(defun call-resource (websocket function &rest arguments)
+  "Call FUNCTION, the name of one of the resource generic functions, on
+WEBSOCKET's resource, its client and ARGUMENTS, with Hunchentoot's specials
+bound as in the request that opened WEBSOCKET.  True when it returned; when
+an error escaped it, the error is logged, WEBSOCKET is to close with 1011,
+and NIL is returned."
+  (let* ((resource (websocket-resource websocket))
+         (client (websocket-client websocket))
+         (request (ws:client-request client))
+         (hunchentoot:*acceptor* (websocket-acceptor websocket))
+         (hunchentoot:*request* request)
+         (hunchentoot:*session* (hunchentoot:session request)))
+    (handler-case (progn (apply function resource client arguments) t)
+      (error (condition)
+        (log-safely (websocket-acceptor websocket) :error "Error in ~(~A~) of ~A: ~A"
+                    function resource condition)
+        (fail-websocket websocket 1011 "Internal error")
+        nil))))
+
+(defun client-reads-slower-than-it-sends-p (websocket)
+  "Send the pongs and what the client's own messages made for it (its
+messages echoed or broadcast back) as far as its socket takes them now;
+true when half its queue's limit still waits, so that the turn reads no
+more of what it sent until it has taken that: a client that sends faster
+than it reads is slowed, not closed for the answers to its own messages."
+  ;; The pongs first, as at the end of a turn (PARK-WEBSOCKET).
+  (queue-websocket-pongs websocket)
+  (when (or (websocket-inbox websocket) (websocket-queue websocket))
+    (send-websocket-queue websocket))
+  (> (websocket-unsent-octets websocket) (floor (websocket-max-queue-bytes websocket) 2)))
