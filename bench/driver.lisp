@@ -7,6 +7,8 @@
 (defparameter *servers*
   '((:name "hunchentoot" :label "Hunchentoot easy-acceptor" :lisp :hunchentoot)
     (:name "parallel" :label "parallel-easy-acceptor" :lisp :parallel)
+    (:name "parallel-timer" :label "parallel-easy-acceptor, its wait a deferred reply on its timer"
+     :lisp :parallel-timer :waits-only t)
     (:name "aserve" :label "Portable AllegroServe" :lisp :aserve)
     (:name "nginx" :label "nginx, 2 workers" :nginx t))
   "The servers measured, in table and chart order.  The first is the baseline
@@ -662,3 +664,13 @@ bench/results/<UTC timestamp>-compare-<REVISION>/.  Returns the directory."
                                          :lisp :parallel :core revision-core)
                                    (find "parallel" *servers* :key (lambda (server) (getf server :name))
                                                               :test #'string=)))))
+
+(defun run-waits (&key (rounds 3) core)
+  "The workloads whose handler waits 1 ms, for Hunchentoot, ours with a
+handler that sleeps, ours with its reply deferred and completed by its
+timer, and nginx's echo_sleep, side by side in one run.  Writes
+bench/results/<UTC timestamp>-waits/.  Returns the directory."
+  (run-benchmarks :core core :peers nil :rounds rounds
+                  :workloads (remove-if-not #'plusp (workloads nil) :key (lambda (workload) (getf workload :delay-ms)))
+                  :run-name (format nil "~A-waits" (utc-timestamp))
+                  :servers (remove-if (lambda (server) (equal (getf server :name) "aserve")) *servers*)))

@@ -93,5 +93,8 @@ cells' PAGE-FILE when given (Woo's only); its process-info."
                        :output log-file :error-output :output :if-output-exists :supersede))
 
 (defun measures-workload-p (server workload)
-  "True when SERVER is measured on WORKLOAD: a peer on the handler workloads only."
-  (or (not (getf server :peer)) (null (getf workload :file))))
+  "True when SERVER is measured on WORKLOAD: a peer on the handler workloads
+only, a server that differs only in how its handler waits on the workloads
+whose handler waits only."
+  (and (or (not (getf server :peer)) (null (getf workload :file)))
+       (or (not (getf server :waits-only)) (plusp (getf workload :delay-ms)))))

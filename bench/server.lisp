@@ -51,11 +51,19 @@ measures."
 (defvar *handler-delay* nil
   "Seconds each /yo request sleeps, or NIL for a handler that never calls SLEEP.")
 
+(defvar *timer-delay* nil
+  "Milliseconds each /yo reply is deferred for, completed by the engine's
+timer (ours only, the server :PARALLEL-TIMER), or NIL.")
+
 (defun hey ()
-  "The /yo handler body: count the request, sleep if the workload says so."
+  "The /yo handler body: count the request, sleep if the workload says so
+(or leave the reply to the timer: then the handler's value is ignored)."
   (count-request)
-  (when *handler-delay*
-    (sleep *handler-delay*))
+  (cond (*timer-delay*
+         (let ((reply (hrt:defer-reply)))
+           (hrt:call-after *timer-delay* (lambda () (hrt:complete-reply reply :content-type "text/plain" :body "Hey!")))))
+        (*handler-delay*
+         (sleep *handler-delay*)))
   "Hey!")
 
 (defun stats-text ()
@@ -169,10 +177,11 @@ constructors) is in it too, hence asked of the running server."
 (defun start-server (kind port &key reuse-port worker-scheduling-policy)
   (ecase kind
     (:hunchentoot (start-hunchentoot port 'ht:easy-acceptor))
-    (:parallel (apply #'start-hunchentoot port 'hrt:parallel-easy-acceptor :reuse-port reuse-port
-                      (and worker-scheduling-policy
-                           (list :taskmaster (make-instance 'hrt:recycling-taskmaster
-                                                            :worker-scheduling-policy worker-scheduling-policy)))))
+    ((:parallel :parallel-timer)
+     (apply #'start-hunchentoot port 'hrt:parallel-easy-acceptor :reuse-port reuse-port
+            (and worker-scheduling-policy
+                 (list :taskmaster (make-instance 'hrt:recycling-taskmaster
+                                                  :worker-scheduling-policy worker-scheduling-policy)))))
     (:aserve (start-aserve port))))
 
 (defun serve-static-folder (kind folder)
@@ -181,8 +190,9 @@ Hunchentoot's folder dispatcher, ours, or AllegroServe's directory."
   (ecase kind
     (:hunchentoot (push (ht:create-folder-dispatcher-and-handler "/static/" (pathname folder))
                         ht:*dispatch-table*))
-    (:parallel (push (hrt:create-static-folder-dispatcher-and-handler "/static/" (pathname folder))
-                     ht:*dispatch-table*))
+    ((:parallel :parallel-timer)
+     (push (hrt:create-static-folder-dispatcher-and-handler "/static/" (pathname folder))
+           ht:*dispatch-table*))
     (:aserve (net.aserve:publish-directory :prefix "/static/" :destination folder))))
 
 (defun serve (kind port &key (delay-ms 0) reuse-port worker-scheduling-policy static-folder
@@ -193,7 +203,9 @@ only), serving STATIC-FOLDER under /static/ when given,
 and serve until killed.  With SSL-PORT, the server (ours or Hunchentoot's)
 also serves TLS there with the SSL-CERTIFICATE and SSL-KEY files, and
 /pool-stats describes that acceptor."
-  (setf *handler-delay* (and (plusp delay-ms) (/ delay-ms 1000)))
+  (if (eq kind :parallel-timer)
+      (setf *timer-delay* (and (plusp delay-ms) delay-ms))
+      (setf *handler-delay* (and (plusp delay-ms) (/ delay-ms 1000))))
   (when static-folder
     (serve-static-folder kind static-folder))
   (start-server kind port :reuse-port reuse-port :worker-scheduling-policy worker-scheduling-policy)

@@ -36,8 +36,36 @@
           (setf (hunchentoot:session-value 'count) (1+ (or (hunchentoot:session-value 'count) 0)))
           (sb-posix:getpid)))
 
+;;; Replies that wait without a thread: /wait?ms=N is answered by the
+;;; engine's timer after N ms; /events?channel=C is an event stream that
+;;; begins with the serving process's PID, then carries every message
+;;; /publish?channel=C&msg=M sends to C -- from any process sharing the
+;;; database when PGDATABASE is set.
+
+(hunchentoot:define-easy-handler (wait :uri "/wait") ((ms :parameter-type 'integer :init-form 100))
+  (let ((reply (hunchentoot-recycling-taskmaster:defer-reply :timeout 60)))
+    (hunchentoot-recycling-taskmaster:call-after
+     (max 0 (min ms 50000))
+     (lambda ()
+       (hunchentoot-recycling-taskmaster:complete-reply
+        reply :content-type "text/plain" :body (format nil "waited ~D ms without a thread~%" ms))))
+    nil))
+
+(hunchentoot:define-easy-handler (events :uri "/events") ((channel :init-form "demo"))
+  (let ((stream (hunchentoot-recycling-taskmaster:start-event-stream)))
+    (hunchentoot-recycling-taskmaster:send-event stream (princ-to-string (sb-posix:getpid)) :event "hello")
+    (hunchentoot-recycling-taskmaster:subscribe channel stream)
+    nil))
+
+(hunchentoot:define-easy-handler (publish :uri "/publish") ((channel :init-form "demo") (msg :init-form ""))
+  (setf (hunchentoot:content-type*) "text/plain")
+  (format nil "sent to ~D subscribers of process ~D~%"
+          (hunchentoot-recycling-taskmaster:publish channel msg) (sb-posix:getpid)))
+
 ;;; Websockets: /ws/echo answers each message to its sender, /ws/chat sends
-;;; each text message to every client; /chat.html uses it from a browser.
+;;; each text message to every client, of every process sharing the
+;;; database when PGDATABASE is set (the channel "chat"); /chat.html uses it
+;;; from a browser.
 
 (defclass echo-resource (hunchentoot-recycling-websocket:websocket-resource) ())
 
@@ -49,10 +77,12 @@
 
 (defclass chat-resource (hunchentoot-recycling-websocket:websocket-resource) ())
 
+(defmethod hunchentoot-recycling-websocket:client-connected ((resource chat-resource) client)
+  (hunchentoot-recycling-taskmaster:subscribe "chat" client))
+
 (defmethod hunchentoot-recycling-websocket:text-message-received ((resource chat-resource) client message)
   (declare (ignore client))
-  (dolist (peer (hunchentoot-recycling-websocket:clients resource))
-    (hunchentoot-recycling-websocket:send-text-message peer message)))
+  (hunchentoot-recycling-taskmaster:publish "chat" message))
 
 (defvar *websocket-resources*
   (list (cons "/ws/echo" (make-instance 'echo-resource))
@@ -93,8 +123,9 @@ the server, so nothing is unwound from inside a handler."
 (requests in flight finish) and return.  Started by systemd's socket
 activation (demo/*.socket), serve the socket it passed instead.  Sessions
 are kept in PostgreSQL when PGDATABASE is set (the other PG* variables say
-where), in the process otherwise; REUSE_PORT=1 listens with SO_REUSEPORT,
-so that several demos share the port."
+where), in the process otherwise, and channels then reach every demo using
+the database; REUSE_PORT=1 listens with SO_REUSEPORT, so that several
+demos share the port."
   (let* ((listen-fd (hunchentoot-recycling-taskmaster:systemd-listen-fd))
          (store (when (environment-set-p "PGDATABASE")
                   (hunchentoot-recycling-taskmaster:make-postgresql-session-store)))
@@ -103,15 +134,20 @@ so that several demos share the port."
                                   :reuse-port (equal (uiop:getenv "REUSE_PORT") "1")
                                   :session-store store
                                   :document-root (static-directory))))
+    (when store
+      (setf hunchentoot-recycling-taskmaster:*channel-bus*
+            (hunchentoot-recycling-taskmaster:make-postgresql-channel-bus)))
     (hunchentoot:start acceptor)
     (format t "~&Serving ~:[http://~A:~D/~;~*the socket systemd passed, port ~D~] ~
-               (try /yo, /hello?name=you, /slow?ms=500, /count, /stats, /metrics, /index.html, ~
-               /chat.html), ~
+               (try /yo, /hello?name=you, /slow?ms=500, /wait?ms=500, /events, /publish?msg=hi, ~
+               /count, /stats, /metrics, /index.html, /chat.html), ~
                sessions ~:[in this process~;in ~:*~A~]. Ctrl-C stops.~%"
             listen-fd address (hunchentoot:acceptor-port acceptor) store)
     (finish-output)
     (let ((signal (wait-for-termination-signal)))
       (hunchentoot:stop acceptor :soft t)
+      (when hunchentoot-recycling-taskmaster:*channel-bus*
+        (hunchentoot-recycling-taskmaster:close-channel-bus hunchentoot-recycling-taskmaster:*channel-bus*))
       (format t "~&~A: stopped after ~D requests.~%" signal
               (getf (hunchentoot-recycling-taskmaster:taskmaster-statistics acceptor) :requests-served))
       (finish-output))))

@@ -64,6 +64,25 @@ PARALLEL-SSL-ACCEPTOR or PARALLEL-EASY-SSL-ACCEPTOR (or a subclass)."
   (:documentation "Signalled by HUNCHENTOOT:START when a RECYCLING-TASKMASTER
 is given to an acceptor that is not a PARALLEL-ACCEPTOR."))
 
+(define-condition reply-not-deferrable (recycling-taskmaster-error)
+  ((reason :initarg :reason :reader refusal-reason
+           :documentation "Why the reply cannot be deferred, as a sentence."))
+  (:report (lambda (condition stream)
+             (format stream "The reply cannot be deferred: ~A" (refusal-reason condition))))
+  (:documentation "Signalled by DEFER-REPLY called outside a handler of a
+PARALLEL-ACCEPTOR's request, or after the reply's headers were sent."))
+
+(define-condition event-field-refused (recycling-taskmaster-error)
+  ((field :initarg :field :reader refused-field
+          :documentation "The field: :EVENT or :ID.")
+   (value :initarg :value :reader refused-field-value
+          :documentation "What it was to be."))
+  (:report (lambda (condition stream)
+             (format stream "An event's ~(~A~) field may not hold a line break or NUL: ~S"
+                     (refused-field condition) (refused-field-value condition))))
+  (:documentation "Signalled by SEND-EVENT and PUBLISH for an event name or id
+that would end its line early."))
+
 (define-condition recycling-taskmaster-corrupted-error (recycling-taskmaster-error)
   ((taskmaster :initarg :taskmaster :reader error-taskmaster
                :documentation "The taskmaster whose pool is in doubt.")

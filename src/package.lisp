@@ -84,6 +84,28 @@ hunchentoot-recycling-taskmaster, which calls it WS.")
    #:session-store-unavailable
    #:session-value-not-storable
 
+   ;; Replies that wait without a thread (deferred-replies.lisp).
+   #:defer-reply
+   #:complete-reply
+   #:deferred-reply
+   #:reply-pending-p
+   #:reply-client-gone-p
+   #:call-after
+   #:cancel-call
+   #:start-event-stream
+   #:event-stream
+   #:send-event
+   #:close-event-stream
+   #:event-stream-open-p
+   #:last-event-id
+   #:subscribe
+   #:unsubscribe
+   #:publish
+   #:*channel-bus*
+   #:postgresql-channel-bus
+   #:make-postgresql-channel-bus
+   #:close-channel-bus
+
    ;; Static files, sent by the kernel.
    #:serve-static-file
    #:create-static-folder-dispatcher-and-handler
@@ -101,6 +123,8 @@ hunchentoot-recycling-taskmaster, which calls it WS.")
    #:invalid-session-store-configuration
    #:invalid-static-folder
    #:acceptor-not-parallel-error
+   #:reply-not-deferrable
+   #:event-field-refused
    #:chunked-body-malformed
    #:request-body-too-large
    #:request-body-not-stored

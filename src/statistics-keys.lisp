@@ -38,6 +38,18 @@
      "Octets sent on websockets, frame heads included.")
     (:websocket-closes :by-code "websocket_closes_total"
      "Websockets closed, by close code: an alist from the code to its count, 1006 for a client gone without a close frame, 0 for codes not listed.")
+    (:deferred-replies :gauge "deferred_replies" "Replies deferred by their handler and not completed yet.")
+    (:deferred-reply-timeouts :counter "deferred_reply_timeouts_total" "Deferred replies answered their timeout status.")
+    (:deferred-clients-gone :counter "deferred_clients_gone_total" "Deferred replies whose client hung up first.")
+    (:pending-timers :gauge "pending_timers" "Calls waiting on the engine's timer (CALL-AFTER).")
+    (:open-event-streams :gauge "open_event_streams" "Connections that are open event streams.")
+    (:events-sent :counter "events_sent_total" "Events sent to event streams (or waiting for the client's socket).")
+    (:event-streams-not-reading :counter "event_streams_not_reading_total" "Event streams closed because their client took too little of them.")
+    (:bus-messages-out :counter "bus_messages_out_total" "Messages this process published to the channel bus.")
+    (:bus-messages-in :counter "bus_messages_in_total" "Messages of other processes received from the channel bus.")
+    (:bus-messages-dropped :counter "bus_messages_dropped_total" "Messages not sent to the channel bus: its database unreachable, or too many waiting.")
+    (:bus-messages-missed :counter "bus_messages_missed_total" "Messages of other processes never received (numbers skipped in their sequence).")
+    (:bus-reconnects :counter "bus_reconnects_total" "Times the channel bus reached its database again after losing it.")
     (:memory-budget-bytes :gauge "memory_budget_bytes"
      "The octets the engine may hold on behalf of clients (MEMORY-BUDGET; the process's, shared, unless the acceptor has its own).")
     (:memory-held-bytes :gauge "memory_held_bytes"

@@ -1,7 +1,7 @@
 ;;;; Sending to a websocket client, from any thread: a handler of its own
 ;;;; or another client's message, a thread of the application's.  Nothing
 ;;;; here waits on the client: what its socket does not take waits with its
-;;;; connection (engine/readiness/websocket-connection.lisp, "Sending from
+;;;; connection (engine/readiness/outbox.lisp, "Sending from
 ;;;; any thread").
 
 (in-package #:hunchentoot-recycling-taskmaster)
@@ -78,8 +78,8 @@ or the memory budget (the client is then closed, with 1008 or 1013)."
     (when (and websocket (websocket-open-p websocket))
       (let* ((frame (message-frame opcode message (readiness-set-memory-budget (websocket-set websocket))))
              (offered (if frame
-                          (offer-websocket-frame websocket frame)
-                          (refuse-websocket-send websocket 1013))))
+                          (offer-outbox-octets websocket frame)
+                          (refuse-outbox-send websocket 1013))))
         (when frame
           ;; The queue holds it now, if it took it.
           (let-go-of-counted-octets frame))

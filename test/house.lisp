@@ -27,7 +27,8 @@
     (and stop (subseq text (+ start (length begin)) stop))))
 
 (defun checkout-files ()
-  "Every file of the checkout, relative to it, but those under .git/."
+  "Every file of the checkout, relative to it, but those under .git/ (and
+the .git file of a git worktree)."
   (let ((files '()))
     (uiop:collect-sub*directories
      *checkout* t
@@ -35,7 +36,7 @@
      (lambda (directory)
        (dolist (file (uiop:directory-files directory))
          (push (relative-path file) files))))
-    files))
+    (remove ".git" files :test #'string=)))
 
 (test house.each-file-compiles-alone-in-asd-order
   (multiple-value-bind (output error-output status)
@@ -166,7 +167,9 @@ rule: a struct or class name used as a type does not count)."
                                      (loop for file in (directory (checkout-path "src/engine/serving/*.lisp"))
                                            append (file-symbols file package))))
                      #'string< :key #'symbol-name)))
-    (is (<= 20 (length used) 35) "serving/ uses ~D names of readiness/: ~(~{~A~^ ~}~)" (length used) used)
+    ;; 35 when the face was written (issue 53); the held replies (deferred
+    ;; replies and event streams, issue 54) added three.
+    (is (<= 20 (length used) 38) "serving/ uses ~D names of readiness/: ~(~{~A~^ ~}~)" (length used) used)
     (dolist (symbol used)
       (is (cl-ppcre:scan (format nil "(?<![a-z0-9-])~A(?![a-z0-9-])" (cl-ppcre:quote-meta-chars (string-downcase symbol))) face)
           "serving/ uses ~(~A~), which readiness/face.lisp does not list" symbol))))

@@ -72,13 +72,20 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
          (hunchentoot:*acceptor* (engine-acceptor engine)))
     (loop for token = (next-ready-token engine worker set)
           while token
-          do (let* ((new-p (= token +listen-token+))
-                    (connection (if new-p
-                                    (when-accepting (set) (take-new-connection engine set))
-                                    (take-ready-connection set token))))
-               (note-turn-taken worker new-p)
-               (when connection
-                 (serve-connection serving connection))))))
+          do (if (= token +timer-token+)
+                 (run-due-timers set (engine-acceptor engine))
+                 (serve-ready-token engine worker set serving token)))))
+
+(defun serve-ready-token (engine worker set serving token)
+  "Serve what TOKEN, reported to WORKER by SET, stands for: a new connection
+on the listening socket, or a parked one."
+  (let* ((new-p (= token +listen-token+))
+         (connection (if new-p
+                         (when-accepting (set) (take-new-connection engine set))
+                         (take-ready-connection set token))))
+    (note-turn-taken worker new-p)
+    (when connection
+      (serve-connection serving connection))))
 
 ;;; The set is NIL in the steps of a STOP below once ABANDON-ACCEPTOR, in
 ;;; another thread, has ended the run under it: nothing is left to do.

@@ -9,3 +9,7 @@ reply) fails at once instead of waiting for the server."
   (let ((socket (cl-postgres::connection-socket connection)))
     (when (and socket (open-stream-p socket))
       (shut-down-fd (fd-stream-descriptor socket)))))
+
+(defun database-connection-stream (connection)
+  "The fd-stream CONNECTION talks to the server on."
+  (cl-postgres::connection-socket connection))

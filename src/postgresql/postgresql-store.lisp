@@ -47,17 +47,21 @@ process serves any session.  Made by MAKE-POSTGRESQL-SESSION-STORE."))
   (let ((value (uiop:getenv name)))
     (if (and value (plusp (length value))) value default)))
 
-(defun open-session-database (database user password host port)
-  "A new connection to DATABASE, its schema brought up to date and the
-store's statements prepared."
+(defun open-prepared-database (database user password host port statements)
+  "A new connection to DATABASE, its schema brought up to date and
+STATEMENTS (a list of names and texts) prepared; closed again if that fails."
   (let ((connection (cl-postgres:open-database database user password host port)))
     (handler-bind ((serious-condition (lambda (condition)
                                         (declare (ignore condition))
                                         (close-database-connection connection))))
       (migrate-session-schema connection)
-      (loop for (name text) in *session-statements*
+      (loop for (name text) in statements
             do (cl-postgres:prepare-query connection name text)))
     connection))
+
+(defun open-session-database (database user password host port)
+  "A new connection to DATABASE for the store, its statements prepared."
+  (open-prepared-database database user password host port *session-statements*))
 
 (defun make-postgresql-session-store (&key (database (environment-or "PGDATABASE" nil))
                                            (user (environment-or "PGUSER" "postgres"))

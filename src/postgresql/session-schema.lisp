@@ -16,6 +16,9 @@
 ;;;;   data            its values, as readable text (sessions/session-values.lisp)
 ;;;; A session has expired once last_click + max_time is past; the index on
 ;;;; that sum serves the expiry test of every lookup and SESSION-GC.
+;;;;
+;;;; hunchentoot_channel_messages, one row per message of the channel bus
+;;;; too long for a notification (event-bus.lisp), kept a minute.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -30,7 +33,12 @@
         last_click bigint NOT NULL,
         max_time integer NOT NULL,
         data text NOT NULL)"
-     "CREATE INDEX hunchentoot_sessions_expiry ON hunchentoot_sessions ((last_click + max_time))"))
+     "CREATE INDEX hunchentoot_sessions_expiry ON hunchentoot_sessions ((last_click + max_time))")
+    (2
+     "CREATE TABLE hunchentoot_channel_messages (
+        id bigserial PRIMARY KEY,
+        payload text NOT NULL,
+        stored_at timestamptz NOT NULL DEFAULT now())"))
   "Each version of the schema and the statements that make it from the one before.")
 
 (defconstant +session-schema-lock+ 731849206

@@ -85,6 +85,12 @@ __EPOLL_PACKED), naturally aligned elsewhere.")
 
 (defconstant +clock-monotonic+ 1)
 
+(defconstant +tfd-nonblock+ #o4000)
+
+(defconstant +tfd-cloexec+ #o2000000)
+
+(defconstant +tfd-timer-abstime+ 1)
+
 (defconstant +sched-other+ 0
   "sched(7)'s default time-sharing policy.")
 

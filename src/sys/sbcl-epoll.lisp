@@ -1,5 +1,5 @@
-;;;; The readiness set's system calls: epoll(7), and an eventfd(2) to wake
-;;;; its waiters.
+;;;; The readiness set's system calls: epoll(7), an eventfd(2) to wake its
+;;;; waiters, and a timerfd(2) that reports the next timer due.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -23,12 +23,15 @@
               epoll-fd operation fd sap)))))
 
 (defun epoll-events (awaited trigger)
-  "The events mask for AWAITED (:INPUT or :OUTPUT) reported as TRIGGER says:
+  "The events mask for AWAITED (:INPUT, :OUTPUT, :HANGUP for the peer's
+closing alone, :NONE for errors alone) reported as TRIGGER says:
 :LEVEL while ready, :ONE-SHOT once until armed again, :EDGE each time it
 becomes ready (new octets, new room)."
   (logior (ecase awaited
             (:input (logior +epollin+ +epollrdhup+))
-            (:output +epollout+))
+            (:output +epollout+)
+            (:hangup +epollrdhup+)
+            (:none 0))
           (ecase trigger
             (:level 0)
             (:one-shot +epolloneshot+)
@@ -78,6 +81,38 @@ it wakes every waiter of an epoll set, now and later."
   (sb-alien:with-alien ((value (sb-alien:unsigned 64)))
     (setf value 1)
     (sb-unix:unix-write fd (sb-alien:alien-sap (sb-alien:addr value)) 0 8)))
+
+(defun make-timer-fd ()
+  "A timerfd(2) on CLOCK_MONOTONIC, not waiting when read, set for nothing."
+  (let ((fd (sb-alien:alien-funcall
+             (sb-alien:extern-alien "timerfd_create" (function sb-alien:int sb-alien:int sb-alien:int))
+             +clock-monotonic+ (logior +tfd-nonblock+ +tfd-cloexec+))))
+    (when (minusp fd) (foreign-error "timerfd_create"))
+    fd))
+
+(defun set-timer-fd (fd microseconds)
+  "Make the timerfd FD readable once CLOCK_MONOTONIC reads MICROSECONDS (as
+MONOTONIC-MICROSECONDS counts them), or never when MICROSECONDS is NIL."
+  (sb-alien:with-alien ((spec (array (sb-alien:signed 64) 4)))
+    (let ((sap (sb-alien:alien-sap spec)))
+      ;; it_interval zero: once.  it_value zero disarms, so a time already
+      ;; past is set as one nanosecond.
+      (setf (sb-sys:signed-sap-ref-64 sap 0) 0
+            (sb-sys:signed-sap-ref-64 sap 8) 0
+            (sb-sys:signed-sap-ref-64 sap 16) (if microseconds (floor microseconds 1000000) 0)
+            (sb-sys:signed-sap-ref-64 sap 24) (if microseconds (max 1 (* 1000 (mod microseconds 1000000))) 0))
+      (when (minusp (sb-alien:alien-funcall
+                     (sb-alien:extern-alien "timerfd_settime"
+                                            (function sb-alien:int sb-alien:int sb-alien:int
+                                                      sb-sys:system-area-pointer sb-sys:system-area-pointer))
+                     fd +tfd-timer-abstime+ sap (sb-sys:int-sap 0)))
+        (foreign-error "timerfd_settime")))))
+
+(defun clear-timer-fd (fd)
+  "Read the timerfd FD's expiry count, so that it polls readable only when
+it expires again."
+  (sb-alien:with-alien ((count (sb-alien:unsigned 64)))
+    (sb-unix:unix-read fd (sb-alien:alien-sap (sb-alien:addr count)) 8)))
 
 (defun close-fd (fd)
   (sb-unix:unix-close fd))

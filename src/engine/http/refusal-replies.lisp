@@ -27,8 +27,10 @@ its REFUSAL-STATISTICS-KEY.")
   "The whole reply, status line to body, sent to a connection whose request
 is refused with STATUS before it is closed: with Date and Server
 (SERVER-NAME) headers, as Hunchentoot's replies have, and for 503 a
-Retry-After of RETRY-AFTER-SECONDS."
-  (destructuring-bind (reason default-explanation) (rest (assoc status *head-refusals*))
+Retry-After of RETRY-AFTER-SECONDS.  A STATUS not in *HEAD-REFUSALS* has
+Hunchentoot's reason phrase, and says EXPLANATION."
+  (destructuring-bind (reason default-explanation) (or (rest (assoc status *head-refusals*))
+                                                        (list (hunchentoot:reason-phrase status) ""))
     (let ((body (format nil "<html><head><title>~D ~A</title></head><body><h1>~A</h1><p>~A</p></body></html>"
                         status reason reason (or explanation default-explanation)))
           (crlf (coerce '(#\Return #\Linefeed) 'string)))

@@ -82,7 +82,7 @@ the pool is stopping."
                                                                     (connection-fd-stream connection))))))
         (cond ((streamp stream)
                (setf (connection-stream connection) stream
-                     (connection-socket connection) (make-connection-socket
-                                                     connection (connection-fd-stream connection)))
+                     (connection-usocket connection) (make-connection-socket
+                                                      connection (connection-fd-stream connection)))
                t)
               (t stream))))))

@@ -13,6 +13,10 @@ client is gone already."
   (drop-pending-bytes connection (readiness-set-memory-budget set))
   (when (connection-websocket connection)
     (end-websocket (connection-websocket connection)))
+  (when (connection-deferred connection)
+    (detach-deferred-reply set connection))
+  (when (connection-event-stream connection)
+    (end-event-stream set (connection-event-stream connection)))
   (when (connection-outgoing connection)
     (drop-outgoing set connection))
   (when (connection-arriving-body connection)
@@ -57,6 +61,11 @@ sent nothing, a client that took none of its reply)."
     (cond ((connection-handshake connection)
            (atomic-increment (connection-counters-handshake-timeouts counters))
            (close-connection set connection))
+          ((connection-deferred connection)
+           (end-deferred-reply-at-deadline set connection))
+          ((connection-event-stream connection)
+           (when (eq (event-stream-deadline-reached (connection-event-stream connection)) :close)
+             (close-connection set connection)))
           ((connection-websocket connection)
            (when (eq (websocket-deadline-reached (connection-websocket connection)) :close)
              (close-connection set connection)))
@@ -75,6 +84,23 @@ sent nothing, a client that took none of its reply)."
            (close-connection set connection))
           (t (atomic-increment (connection-counters-keep-alive-timeouts counters))
              (close-connection set connection)))))
+
+(defun end-deferred-reply-at-deadline (set connection)
+  "CONNECTION, held by the caller, whose reply is deferred, has reached its
+deadline: answered its TIMEOUT-STATUS unless the reply was completed
+meanwhile, which then goes out (or, waiting for room for it since the
+write timeout, never will: closed)."
+  (let ((deferred (connection-deferred connection))
+        (counters (readiness-set-counters set)))
+    (cond ((settle-deferred-reply-outcome deferred :timed-out)
+           (let ((status (deferred-reply-timeout-status deferred)))
+             (atomic-increment (connection-counters-deferred-timeouts counters))
+             (count-reply counters status)
+             (refuse-and-close set connection status
+                               :explanation "The reply was not ready in time.  Please try again later.")))
+          ((or (eq (connection-awaiting connection) :output)
+               (not (park-for-completed-reply set connection)))
+           (close-connection set connection)))))
 
 (defun close-expired-connections (set)
   "End every parked connection whose deadline has passed: 408 for a head
@@ -116,10 +142,12 @@ than its limit, counted there, and close it."
   "The octets CONNECTION, parked, holds on its client's behalf (counting a
 frame it shares with others as its own)."
   (let ((websocket (connection-websocket connection))
+        (event-stream (connection-event-stream connection))
         (outgoing (connection-outgoing connection))
         (body (connection-arriving-body connection))
         (pending (connection-pending connection)))
     (+ (if websocket (+ (websocket-unsent-octets websocket) (websocket-message-length websocket)) 0)
+       (if event-stream (event-stream-unsent-octets event-stream) 0)
        (if outgoing (outgoing-charged outgoing) 0)
        (if (and body (null (arriving-body-file body))) (length (arriving-body-octets body)) 0)
        (if pending (length pending) 0))))

@@ -23,7 +23,9 @@
 
 (defconstant +wakeup-token+ 1)
 
-(defconstant +first-connection-token+ 2)
+(defconstant +timer-token+ 2)
+
+(defconstant +first-connection-token+ 3)
 
 (defstruct (connection (:constructor make-connection (fd token fd-stream)))
   "A client connection served by the readiness set."
@@ -55,6 +57,10 @@
   (unacknowledged nil)
   ;; The WEBSOCKET the connection has become after a 101, or NIL.
   (websocket nil)
+  ;; The DEFERRED-REPLY its request waits for, or NIL.
+  (deferred nil)
+  ;; The EVENT-STREAM its reply has become, or NIL.
+  (event-stream nil)
   ;; How the descriptor is watched since its first park: :EDGE (plain) or
   ;; :ONE-SHOT (TLS); NIL before it is added to the epoll set.
   (trigger nil)
@@ -76,9 +82,9 @@
   ;; The peer's and our address and port, as Hunchentoot's request holds
   ;; them: read once per connection, not once per request.
   (addresses '() :type list)
-  ;; The CONNECTION-SOCKET that HUNCHENTOOT:PROCESS-CONNECTION is called
-  ;; with for this connection.
-  (socket nil)
+  ;; The CONNECTION-SOCKET, a usocket, that HUNCHENTOOT:PROCESS-CONNECTION
+  ;; is called with for this connection.
+  (usocket nil)
   ;; Internal real time the head being read began to arrive (or the
   ;; connection was accepted); NIL between requests of a kept-alive one.
   (head-started nil :type (or null fixnum)))

@@ -39,6 +39,14 @@ keeps it from run to run; each run's set counts into it."
   (write-timeouts 0 :type word)
   ;; Requests answered 408 because their body stalled for the read timeout.
   (body-timeouts 0 :type word)
+  ;; Deferred replies answered at their timeout, and those whose client
+  ;; hung up before they were completed.
+  (deferred-timeouts 0 :type word)
+  (deferred-clients-gone 0 :type word)
+  ;; Events offered to event streams, and the streams closed because
+  ;; their client took too little of them.
+  (events-sent 0 :type word)
+  (event-streams-not-reading 0 :type word)
   ;; Connections closed because their TLS handshake was not done within
   ;; the header timeout.
   (handshake-timeouts 0 :type word)

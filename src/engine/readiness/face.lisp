@@ -26,6 +26,10 @@
 ;;;;                    meanwhile.
 ;;;;   :WEBSOCKET end   Park the websocket (PARK-WEBSOCKET), END octets of a
 ;;;;                    frame head that arrived in part starting the buffer.
+;;;;   :DEFER end       Wait for the deferred reply (CONNECTION-DEFERRED) to be
+;;;;                    completed, keeping the END octets the client sent
+;;;;                    after its request, until its timeout.
+;;;;   :EVENT-STREAM    Park the event stream the reply became (PARK-EVENT-STREAM).
 ;;;;   :HANDSHAKE for   Wait until the socket is ready FOR (:INPUT, :OUTPUT)
 ;;;;                    the TLS handshake, under the header timeout.
 ;;;;   :CLOSE           Close it.
@@ -38,7 +42,8 @@
 ;;;;
 ;;;;   Start and end      START-CONNECTION-SOCKET, which makes the
 ;;;;                      CONNECTION-SOCKET (connection-socket.lisp) that
-;;;;                      PROCESS-CONNECTION is called with; END-TURN.
+;;;;                      PROCESS-CONNECTION is called with;
+;;;;                      HELD-CONNECTION-KIND, whose turn it is; END-TURN.
 ;;;;   Read               TAKE-PENDING-BYTES, RECEIVE-BYTES (arrived-octets.lisp):
 ;;;;                      the octets kept while parked, then the socket's;
 ;;;;                      READ-ARRIVED-OCTETS (arrived-octets.lisp) what a
@@ -54,6 +59,11 @@
 ;;;;   Note               NOTE-HEAD-OCTETS, NOTE-INPUT-READ-BY-STREAM,
 ;;;;                      NOTE-ANSWERED-REQUEST; MEMORY-BUDGET-EXCEEDED-P
 ;;;;                      (memory-budget.lisp) before new work.
+;;;;   Held replies       SETTLE-DEFERRED-REPLY, the turn of a reply
+;;;;                      DEFER-REPLY made; EVENT-STREAM-TURN, that of an
+;;;;                      event stream START-EVENT-STREAM made;
+;;;;                      ABANDON-HELD-REPLY when the handler that made
+;;;;                      either failed.
 ;;;;   Websocket          MAKE-WEBSOCKET (websocket-connection.lisp),
 ;;;;                      CONNECTION-WEBSOCKET, and its WEBSOCKET-READER: the
 ;;;;                      turns' own frame reader, opaque here;
@@ -76,9 +86,17 @@ none (START-CONNECTION-STREAM).  Else :INPUT or :OUTPUT while its TLS
 handshake waits for the socket (the turn ends :HANDSHAKE with it), or NIL
 when the client has gone, the handshake failed or the pool is stopping
 (the turn ends :CLOSE)."
-  (or (connection-socket connection)
+  (or (connection-usocket connection)
       (let ((started (start-connection-stream engine connection)))
-        (if (eq started t) (connection-socket connection) started))))
+        (if (eq started t) (connection-usocket connection) started))))
+
+(defun held-connection-kind (connection)
+  "What CONNECTION, held by the caller, has become, which says what its turn
+is: :WEBSOCKET, :DEFERRED (its reply waits to be completed),
+:EVENT-STREAM, or NIL (the request cycle)."
+  (cond ((connection-websocket connection) :websocket)
+        ((connection-deferred connection) :deferred)
+        ((connection-event-stream connection) :event-stream)))
 
 (defun end-turn (engine set connection buffer outcome detail)
   "Act on the OUTCOME of a turn on CONNECTION, with its DETAIL (see the
@@ -94,12 +112,99 @@ connection keeps."
                     (progn (keep-pending-bytes connection buffer detail (readiness-set-memory-budget set))
                            (unless (eq (park-websocket (connection-websocket connection)) t)
                              (close-connection set connection)))))
+    (:defer (park-deferred-reply engine set connection buffer detail))
+    (:event-stream (if (stopping-p engine)
+                       (close-connection set connection)
+                       (unless (eq (park-event-stream (connection-event-stream connection)) t)
+                         (close-connection set connection))))
     (:handshake (park-during-handshake engine set connection detail))
     (:close (close-connection set connection))
     (:let-go (remove-connection set connection))
     (:refuse (if (eq detail :memory)
                  (refuse-for-memory set connection)
                  (refuse-and-close set connection detail)))))
+
+;;; Deferred reply.
+
+(defun park-deferred-reply (engine set connection buffer end)
+  "Park CONNECTION, held by the caller, its reply deferred, keeping the END
+octets of BUFFER, until its client hangs up or its deadline; taken back and
+parked for output when the reply was completed meanwhile (deferred-reply.lisp,
+Who arms it)."
+  (let ((deferred (connection-deferred connection)))
+    (keep-pending-bytes connection buffer end (readiness-set-memory-budget set))
+    (setf (connection-awaiting connection) (if (deferred-reply-input-seen-p deferred) :none :hangup)
+          (connection-timeout-status connection) nil)
+    (park-until engine set connection (deferred-reply-deadline deferred))
+    (memory-barrier)
+    (when (and (completion-p (deferred-reply-outcome deferred))
+               (take-parked-connection connection)
+               (not (park-for-completed-reply set connection)))
+      (close-connection set connection))))
+
+(defun settle-deferred-reply (set connection)
+  "What CONNECTION's deferred reply is to the turn of the worker holding it:
+:COMPLETED, the reply detached from the connection, then the request, the
+reply and the session of its handler, the status, headers and body it was
+completed with, and the MONOTONIC-MICROSECONDS it was deferred at; :GONE when the client hung up (then told
+to its ON-CLIENT-GONE) or the reply was settled otherwise (the turn ends
+:CLOSE); :WAITING when the report was stale, or was the client's next
+request arriving (the turn ends :DEFER 0)."
+  (let* ((deferred (connection-deferred connection))
+         (outcome (deferred-reply-outcome deferred)))
+    (cond ((completion-p outcome)
+           (detach-deferred-reply set connection)
+           ;; Parked for output to be woken, it parks for input from now on.
+           (setf (connection-awaiting connection) :input)
+           (values :completed (deferred-reply-request deferred) (deferred-reply-reply deferred)
+                   (deferred-reply-session deferred) (completion-status outcome) (completion-headers outcome)
+                   (completion-body outcome) (deferred-reply-deferred-at deferred)))
+          (outcome :gone)
+          (t (case (client-hung-up-p connection)
+               ((nil) :waiting)
+               (:input (setf (deferred-reply-input-seen-p deferred) t)
+                :waiting)
+               (t (if (settle-deferred-reply-outcome deferred :gone)
+                      (progn (note-client-gone set deferred)
+                             :gone)
+                      (settle-deferred-reply set connection))))))))
+
+(defun note-client-gone (set deferred)
+  "DEFERRED's client hung up before its reply: counted, and told to its
+ON-CLIENT-GONE, called with DEFERRED and Hunchentoot's specials bound as in
+its handler; an error escaping it is logged."
+  (atomic-increment (connection-counters-deferred-clients-gone (readiness-set-counters set)))
+  (let ((function (deferred-reply-on-client-gone deferred))
+        (acceptor (deferred-reply-acceptor deferred)))
+    (when function
+      (let ((hunchentoot:*acceptor* acceptor)
+            (hunchentoot:*request* (deferred-reply-request deferred))
+            (hunchentoot:*session* (deferred-reply-session deferred)))
+        (handler-case (funcall function deferred)
+          (error (condition)
+            (log-safely acceptor :error "Error in the ON-CLIENT-GONE of a deferred reply: ~A" condition)))))))
+
+(defun abandon-held-reply (set connection)
+  "The handler that deferred CONNECTION's reply, or made it an event
+stream, failed afterwards: the reply is answered as the failure says, and
+the record, detached, can no longer be completed or sent to."
+  (cond ((connection-deferred connection)
+         (settle-deferred-reply-outcome (connection-deferred connection) :abandoned)
+         (detach-deferred-reply set connection))
+        ((connection-event-stream connection)
+         (end-event-stream set (shiftf (connection-event-stream connection) nil)))))
+
+;;; Event stream.
+
+(defun event-stream-turn (connection)
+  "The turn of CONNECTION, an event stream, reported ready: :CLOSE when its
+client hung up, else :EVENT-STREAM (parked again, sending what waits)."
+  (let ((stream (connection-event-stream connection)))
+    (case (client-hung-up-p connection)
+      ((nil) :event-stream)
+      (:input (setf (event-stream-input-seen-p stream) t)
+       :event-stream)
+      (t :close))))
 
 ;;; Reply.
 

@@ -13,6 +13,8 @@
 (defstruct (readiness-set (:constructor %make-readiness-set))
   (epoll-fd -1 :type fixnum :read-only t)
   (wakeup-fd -1 :type fixnum :read-only t)
+  ;; The TIMERS called by the workers it wakes (timers.lisp).
+  (timers (make-timers) :read-only t)
   ;; The acceptor's listening socket, non-blocking.
   (listen-fd -1 :type fixnum :read-only t)
   ;; The address, as text, and the port every connection is accepted on,
@@ -71,6 +73,10 @@
   (handshake-count 0 :type word)
   ;; Connections that are open websockets.
   (websocket-count 0 :type word)
+  ;; Connections whose reply is deferred and not completed yet.
+  (deferred-count 0 :type word)
+  ;; Connections that are open event streams.
+  (event-stream-count 0 :type word)
   ;; The engine's CONNECTION-COUNTERS, which this set counts into.
   (counters nil :type connection-counters :read-only t)
   ;; The MEMORY-BUDGET the buffers of this set's connections are taken from.
@@ -112,11 +118,13 @@ seconds; a WRITE-TIMEOUT or READ-TIMEOUT of NIL means a year."
     (set-non-blocking listen-socket)
     (epoll-watch epoll-fd (readiness-set-listen-fd set) +listen-token+ :trigger :one-shot)
     (epoll-watch epoll-fd (readiness-set-wakeup-fd set) +wakeup-token+)
+    (epoll-watch epoll-fd (timers-fd (readiness-set-timers set)) +timer-token+ :trigger :one-shot)
     set))
 
 (defun destroy-readiness-set (set)
   (close-fd (readiness-set-epoll-fd set))
   (close-fd (readiness-set-wakeup-fd set))
+  (destroy-timers (readiness-set-timers set))
   (let ((spare-fd (shiftf (readiness-set-spare-fd set) nil)))
     (when spare-fd (close-fd spare-fd))))
 
@@ -229,11 +237,12 @@ its CONNECTION, :ACTIVE."
 
 (defun unfinished-connection-count (set)
   "Connections in SET's table none of whose requests has been answered yet,
-or whose reply is not sent whole yet."
+or whose reply is deferred or not sent whole yet."
   (count-if (lambda (connection)
               (and connection
                    (or (not (connection-answered-p connection))
-                       (connection-outgoing connection))
+                       (connection-outgoing connection)
+                       (connection-deferred connection))
                    (not (eq (connection-state connection) :closed))))
             (readiness-set-slots set)))
 
@@ -312,3 +321,18 @@ may be taken by a worker before or while FUNCTION runs."
     (loop for connection across slots
           when (and connection (eq (connection-state connection) :parked))
             do (funcall function connection))))
+
+;;; Timers.
+
+(defun run-due-timers (set acceptor)
+  "Call the timers of SET that are due, in the worker its timerfd woke,
+after arming the descriptor again; an error escaping a timer's function is
+logged in ACCEPTOR's message log."
+  (let* ((timers (readiness-set-timers set))
+         (due (take-due-timers timers)))
+    (epoll-rearm (readiness-set-epoll-fd set) (timers-fd timers) +timer-token+)
+    (dolist (timer due)
+      (atomic-increment (timers-fired-count timers))
+      (handler-case (funcall (timer-function timer))
+        (error (condition)
+          (log-safely acceptor :error "Error in a timer's function: ~A" condition))))))

@@ -81,10 +81,14 @@ anything counts as a request waiting for a worker."
          ;; Its frames are read by a worker; what is sent to it goes now.
          (unless (eq (park-websocket (connection-websocket connection)) t)
            (close-connection set connection)))
+        ((connection-event-stream connection)
+         (unless (eq (park-event-stream (connection-event-stream connection)) t)
+           (close-connection set connection)))
         ((connection-outgoing connection) (resume-reply-while-saturated engine set connection))
-        ((or (connection-arriving-body connection) (connection-handshake connection))
-         ;; Its body is read, or its handshake taken, by a worker, under the
-         ;; deadline it was parked with.
+        ((or (connection-arriving-body connection) (connection-handshake connection)
+             (connection-deferred connection))
+         ;; Its body is read, its handshake taken, or its deferred reply
+         ;; settled by a worker, under the deadline it was parked with.
          (park-until engine set connection (connection-deadline connection)))
         ((eql (connection-timeout-status connection) 503)
          (park-until engine set connection (connection-deadline connection)))
@@ -151,6 +155,7 @@ while ready is reported again."
                (:interrupted)
                (:timeout (return))
                (t (cond ((= token +wakeup-token+) (return))
+                        ((= token +timer-token+) (run-due-timers set (engine-acceptor engine)))
                         ((= token +listen-token+)
                          (if (hunchentoot:acceptor-ssl-p (engine-acceptor engine))
                              ;; A TLS connection needs its handshake, which

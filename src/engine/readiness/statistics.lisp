@@ -23,7 +23,15 @@ none runs) holds now, and what COUNTERS counted ever."
                                    finally (return (append closes
                                                            (list (cons 0 (aref (connection-counters-websocket-closes counters)
                                                                                (length *websocket-close-codes*)))))))
-           :memory-budget-bytes (budget-value #'memory-budget-limit)
+           :deferred-replies (if set (readiness-set-deferred-count set) 0)
+           :deferred-reply-timeouts (connection-counters-deferred-timeouts counters)
+           :deferred-clients-gone (connection-counters-deferred-clients-gone counters)
+           :pending-timers (if set (pending-timer-count (readiness-set-timers set)) 0)
+           :open-event-streams (if set (readiness-set-event-stream-count set) 0)
+           :events-sent (connection-counters-events-sent counters)
+           :event-streams-not-reading (connection-counters-event-streams-not-reading counters)
+           (append (bus-statistics *channel-bus*)
+                   (list* :memory-budget-bytes (budget-value #'memory-budget-limit)
            :memory-held-bytes (budget-value #'memory-budget-used)
            :memory-peak-bytes (budget-value #'memory-budget-peak)
            :memory-refusals (budget-value #'memory-budget-refusals)
@@ -45,4 +53,4 @@ none runs) holds now, and what COUNTERS counted ever."
            (loop for (status) in *head-refusals*
                  for count across (connection-counters-refused-heads counters)
                  collect (refusal-statistics-key status)
-                 collect count))))
+                 collect count))))))

@@ -1,20 +1,8 @@
 ;;;; A connection that has become a websocket: what the engine keeps of it
-;;;; between frames, how what is sent to it leaves, and how it waits in the
-;;;; readiness set -- for the client's next octets, for room in its socket,
-;;;; for the time to ping it.  Its frames are read by
-;;;; engine/serving/websocket-turn.lisp.
-;;;;
-;;;; Sending from any thread.  Only a connection's holder writes to its
-;;;; socket and touches its QUEUE (connection.lisp, Ownership).  A thread
-;;;; sending a frame adds it to the INBOX, lock-free, then tries to take
-;;;; the connection as a parked one (compare-and-swap :PARKED -> :ACTIVE):
-;;;; when it wins, it is the holder and sends; when it loses, the holder
-;;;; sends the frame before it parks.  A holder parks, then looks at the
-;;;; INBOX again and takes the connection back if a frame came meanwhile:
-;;;; of the sender's push and the holder's park, whichever comes second sees
-;;;; the other, so that no frame waits in an INBOX of a parked connection.
-;;;; Nothing here waits: what the socket does not take stays in the QUEUE
-;;;; and the connection parks until the socket has room.
+;;;; between frames, its outbox of frames (outbox.lisp, "Sending from any
+;;;; thread"), and how it waits in the readiness set -- for the client's
+;;;; next octets, for room in its socket, for the time to ping it.  Its
+;;;; frames are read by engine/serving/websocket-turn.lisp.
 ;;;;
 ;;;; These functions never close the connection: they say when the caller
 ;;;; is to (CLOSE-CONNECTION, closing.lisp, ends the websocket).
@@ -24,18 +12,14 @@
 (defconstant +websocket-closing-seconds+ 5
   "Seconds a websocket that sent its close frame waits for the client's.")
 
-(defstruct (websocket (:constructor %make-websocket))
-  "What the engine keeps of a connection that is a websocket."
-  (connection nil :read-only t)
-  ;; The readiness set CONNECTION is in.
-  (set nil :read-only t)
+(defstruct (websocket (:include outbox) (:constructor %make-websocket))
+  "What the engine keeps of a connection that is a websocket; its STATE is
+:CLOSING once its close frame is sent and the client's is awaited, and its
+REFUSAL-CODE a close code."
   ;; The acceptor it was opened on, for its limits and its log.
   (acceptor nil :read-only t)
   (resource nil :read-only t)
   (client nil :read-only t)
-  ;; :OPEN; :CLOSING once its close frame is sent and the client's is
-  ;; awaited; :CLOSED.  Senders read it; the holder writes it.
-  (state :open)
   ;; The code it closes with: the client's, or the engine's reason.  NIL
   ;; while open; CLOSE-CONNECTION takes 1001 (going away) then.
   (close-code nil)
@@ -48,8 +32,7 @@
   ;; Where the turns are in reading the client's frames: serving's
   ;; (websocket-turn.lisp), kept here between turns, never read here.
   (reader nil :read-only t)
-  ;; Limits and times, from the acceptor: octets, internal time units.
-  (max-queue-bytes 0 :type fixnum :read-only t)
+  ;; Times, from the acceptor: internal time units.
   (ping-interval 0 :type fixnum :read-only t)
   (timeout 0 :type fixnum :read-only t)
   (message-timeout 0 :type fixnum :read-only t)
@@ -67,21 +50,7 @@
   ;; vector, so that a flood of pings costs one send, and a client that
   ;; reads none of them fills its queue as fast as it pings.
   (ping-payloads '())
-  (pong-octets 0 :type fixnum)
-  ;; Frames sent by threads that did not hold the connection, as
-  ;; COUNTED-OCTETS, newest first: any thread pushes, the holder takes.
-  (inbox '())
-  ;; The PIECEs the socket has not taken, in order, and the last cons of
-  ;; the list, so that a piece is added at its end in constant time: the
-  ;; holder's.
-  (queue '())
-  (queue-tail '())
-  ;; Octets in INBOX and QUEUE: senders add, the holder subtracts.
-  (unsent-octets 0 :type word)
-  ;; NIL, or the code the holder closes the client with because a send
-  ;; was refused: 1008 when it found no room under MAX-QUEUE-BYTES, 1013
-  ;; when the memory budget had none.
-  (refusal-code nil))
+  (pong-octets 0 :type fixnum))
 
 (defmethod print-object ((websocket websocket) stream)
   (print-unreadable-object (websocket stream :type t :identity t)
@@ -110,63 +79,6 @@ ACCEPTOR's limits and the turns' frame READER, counted open; returns it."
 
 ;;; Sending.
 
-(defun refuse-websocket-send (websocket code)
-  "A send to WEBSOCKET was refused: its holder closes it with CODE."
-  (compare-and-swap (websocket-refusal-code websocket) nil code)
-  nil)
-
-(defun offer-websocket-frame (websocket frame)
-  "Add FRAME, the COUNTED-OCTETS of a frame the caller holds, to what
-WEBSOCKET's holder sends, from any thread; the queue holds it from now on.
-False, and nothing added, when the websocket is closing or closed, or when
-FRAME does not fit under its MAX-QUEUE-BYTES (then it is to close with
-1008)."
-  (let ((length (length (counted-octets-octets frame))))
-    (cond ((not (eq (websocket-state websocket) :open)) nil)
-          ((> (+ (websocket-unsent-octets websocket) length) (websocket-max-queue-bytes websocket))
-           (refuse-websocket-send websocket 1008))
-          ((not (hold-counted-octets frame)) nil)
-          (t (atomic-add (websocket-unsent-octets websocket) length)
-             (loop for old = (websocket-inbox websocket)
-                   until (compare-and-swap (websocket-inbox websocket) old (cons frame old)))
-             (when (eq (websocket-state websocket) :closed)
-               ;; Ended meanwhile, its queue dropped (END-WEBSOCKET sets
-               ;; :CLOSED first): no holder will take this frame.
-               (mapc #'let-go-of-counted-octets (take-inbox-frames websocket)))
-             t))))
-
-(defun enqueue-websocket-piece (websocket piece)
-  "Add PIECE at the end of WEBSOCKET's QUEUE, held by the caller."
-  (let ((cell (list piece)))
-    (if (websocket-queue websocket)
-        (setf (cdr (websocket-queue-tail websocket)) cell)
-        (setf (websocket-queue websocket) cell))
-    (setf (websocket-queue-tail websocket) cell)))
-
-(defun take-inbox-frames (websocket)
-  "Empty WEBSOCKET's INBOX; the frames it held, newest first.  Each frame
-pushed is so taken by exactly one thread."
-  (loop for old = (websocket-inbox websocket)
-        until (compare-and-swap (websocket-inbox websocket) old '())
-        finally (return old)))
-
-(defun take-websocket-inbox (websocket)
-  "Move the frames in WEBSOCKET's INBOX to the end of its QUEUE, in the
-order they were sent."
-  (dolist (frame (nreverse (take-inbox-frames websocket)))
-    (enqueue-websocket-piece websocket (make-counted-piece frame))))
-
-(defun queue-counted-frame (websocket frame)
-  "Queue FRAME, COUNTED-OCTETS whose hold passes to the queue, on
-WEBSOCKET, held by the caller, whatever its state and limit."
-  (atomic-add (websocket-unsent-octets websocket) (length (counted-octets-octets frame)))
-  (enqueue-websocket-piece websocket (make-counted-piece frame)))
-
-(defun queue-websocket-frame (websocket frame)
-  "Queue FRAME, the fresh octets of a control frame (a ping, a close), on
-WEBSOCKET, held by the caller, whatever its state and limit."
-  (queue-counted-frame websocket (uncounted-octets frame)))
-
 (defun note-websocket-ping (websocket payload)
   "WEBSOCKET's client pinged with PAYLOAD: its pong goes when the turn ends."
   (push payload (websocket-ping-payloads websocket))
@@ -181,24 +93,17 @@ what it is sent; with 1013 when the budget has no room for them."
         (octets (shiftf (websocket-pong-octets websocket) 0)))
     (cond ((or (null payloads) (not (eq (websocket-state websocket) :open))))
           ((> (+ (websocket-unsent-octets websocket) octets) (websocket-max-queue-bytes websocket))
-           (refuse-websocket-send websocket 1008))
+           (refuse-outbox-send websocket 1008))
           (t (let ((frame (make-counted-octets (readiness-set-memory-budget (websocket-set websocket)) octets))
                    (position 0))
                (if (null frame)
-                   (refuse-websocket-send websocket 1013)
+                   (refuse-outbox-send websocket 1013)
                    (let ((pongs (counted-octets-octets frame)))
                      (dolist (payload (nreverse payloads))
                        (setf position (write-frame-head pongs +pong-opcode+ (length payload) position))
                        (replace pongs payload :start1 position)
                        (incf position (length payload)))
-                     (queue-counted-frame websocket frame))))))))
-
-(defun drop-websocket-queue (websocket)
-  "Let go of every frame waiting for WEBSOCKET, held by the caller."
-  (mapc #'let-go-of-counted-octets (take-inbox-frames websocket))
-  (dolist (piece (shiftf (websocket-queue websocket) '()))
-    (let-go-of-counted-octets (piece-counted piece)))
-  (setf (websocket-queue-tail websocket) '()))
+                     (queue-counted-octets websocket frame))))))))
 
 (defun drop-websocket-message (websocket)
   "Forget WEBSOCKET's message so far, if any, giving its pieces back to the
@@ -207,31 +112,17 @@ memory budget."
     (when message
       (release-message message (readiness-set-memory-budget (websocket-set websocket))))))
 
+(defun queue-websocket-frame (websocket frame)
+  "Queue FRAME, the fresh octets of a control frame (a ping, a close), on
+WEBSOCKET, held by the caller, whatever its state and limit."
+  (queue-counted-octets websocket (uncounted-octets frame)))
+
 (defun send-websocket-queue (websocket)
-  "Send what WEBSOCKET's QUEUE holds, after the frames of its INBOX, as far
-as the socket takes it now.  The caller holds the connection.  :SENT,
-:WOULD-BLOCK, or :FAILED when the client has gone."
-  (take-websocket-inbox websocket)
-  (let* ((connection (websocket-connection websocket))
-         (fd (connection-fd connection))
-         (tls-stream (and (not (plain-connection-p connection)) (connection-stream connection)))
-         (counters (websocket-counters websocket)))
-    (loop for piece = (first (websocket-queue websocket))
-          while piece
-          do (let ((count (if tls-stream
-                              (send-tls-octets tls-stream (piece-octets piece) (piece-start piece) (piece-end piece))
-                              (send-octets fd (piece-octets piece) (piece-start piece) (piece-end piece)
-                                           :more (rest (websocket-queue websocket))))))
-               (case count
-                 (:would-block (return :would-block))
-                 ((:error 0) (return :failed))
-                 (t (incf (piece-start piece) count)
-                    (atomic-subtract (websocket-unsent-octets websocket) count)
-                    (atomic-add (connection-counters-websocket-octets-out counters) count)
-                    (when (= (piece-start piece) (piece-end piece))
-                      (pop (websocket-queue websocket))
-                      (let-go-of-counted-octets (piece-counted piece))))))
-          finally (return :sent))))
+  "Send what waits for WEBSOCKET (SEND-OUTBOX-QUEUE), counting the octets
+sent: :SENT, :WOULD-BLOCK or :FAILED."
+  (multiple-value-bind (status sent) (send-outbox-queue websocket)
+    (atomic-add (connection-counters-websocket-octets-out (websocket-counters websocket)) sent)
+    status))
 
 (defun send-close-frame (websocket code reason)
   "Queue WEBSOCKET's close frame with CODE and REASON, held by the caller,
@@ -250,17 +141,8 @@ for a client that takes none of what waits to be sent, the write timeout
 from when it last took some; closing, the end of the wait for the
 client's close frame; else the time to ping it, or to give up on it once
 pinged."
-  (let ((set (websocket-set websocket))
-        (connection (websocket-connection websocket))
-        (now (get-internal-real-time)))
-    (cond ((websocket-queue websocket)
-           ;; Sends to a client that reads nothing do not put its end off.
-           (if (and (eq (connection-awaiting connection) :output)
-                    (< now (connection-deadline connection))
-                    (not (client-took-octets-p connection)))
-               (connection-deadline connection)
-               (progn (note-unacknowledged-octets connection)
-                      (+ now (readiness-set-write-timeout set)))))
+  (let ((now (get-internal-real-time)))
+    (cond ((websocket-queue websocket) (outbox-write-deadline websocket now))
           ((eq (websocket-state websocket) :closing)
            (+ now (seconds->internal-units +websocket-closing-seconds+)))
           (t (min (+ (websocket-last-heard websocket)
@@ -299,7 +181,7 @@ could not be armed."
               (connection-timeout-status connection) nil)
         (unless (park-connection set connection deadline)
           (return :close)))
-      ;; See "Sending from any thread" above.
+      ;; See "Sending from any thread" in outbox.lisp.
       (memory-barrier)
       (unless (and (or (websocket-inbox websocket) (websocket-close-requested websocket)
                        (websocket-refusal-code websocket))
@@ -352,7 +234,7 @@ which is logged."
         (send-websocket-queue websocket)
         (linger-before-close (websocket-connection websocket)))
       (setf (websocket-state websocket) :closed)
-      (drop-websocket-queue websocket)
+      (drop-outbox-queue websocket)
       (drop-websocket-message websocket)
       (count-websocket-close (readiness-set-counters set) code)
       (atomic-decrement (readiness-set-websocket-count set))

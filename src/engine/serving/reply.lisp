@@ -271,11 +271,10 @@ body as octets (SEND-REPLY-PIECES).  No body for HEAD."
                                (unless (eq (hunchentoot:request-method request) :head) body))
       (setf (finish-processing-connection-p) t))))
 
-(defun send-switching-protocols-reply ()
-  "Send the 101 that makes the connection a websocket: the status line, the
-headers as set, Server, Date and cookies, without the Content-Type,
-Content-Length and Keep-Alive of a reply with a body (RFC 9110 8.6: a 1xx
-has no Content-Length); logged as any reply."
+(defun send-head-only (return-code omitted)
+  "Send RETURN-CODE's status line, the headers as set, Server, Date and
+cookies, but those named in OMITTED, and no body: the head of a reply whose
+connection becomes something else.  Logged as any reply."
   (set-server-and-date-headers)
   (setf (headers-sent-p) t)
   (let ((head (serving-reply-head *serving*))
@@ -284,10 +283,28 @@ has no Content-Length); logged as any reply."
     (let ((headers (hunchentoot:headers-out reply)))
       (unless (typep reply 'parallel-reply)
         (refuse-unsafe-header-values reply))
-      (hunchentoot:acceptor-log-access hunchentoot:*acceptor* :return-code hunchentoot:+http-switching-protocols+)
-      (push-reply-head hunchentoot:+http-switching-protocols+ headers head '(:content-type :content-length :keep-alive)))
+      (hunchentoot:acceptor-log-access hunchentoot:*acceptor* :return-code return-code)
+      (push-reply-head return-code headers head omitted))
     (write-sequence (reply-head-octets head) stream :end (reply-head-end head))
     (finish-output stream)))
+
+(defun send-switching-protocols-reply ()
+  "Send the 101 that makes the connection a websocket, without the
+Content-Type, Content-Length and Keep-Alive of a reply with a body (RFC
+9110 8.6: a 1xx has no Content-Length)."
+  (send-head-only hunchentoot:+http-switching-protocols+ '(:content-type :content-length :keep-alive)))
+
+(defun send-event-stream-head ()
+  "Send the head that makes the connection an event stream: 200,
+text/event-stream in UTF-8, not cached (unless the handler said otherwise)
+nor buffered by a proxy, the body ending with the connection."
+  (setf (hunchentoot:return-code*) hunchentoot:+http-ok+
+        (hunchentoot:content-type*) "text/event-stream; charset=utf-8"
+        (hunchentoot:header-out :x-accel-buffering) "no"
+        (hunchentoot:header-out :connection) "close")
+  (unless (hunchentoot:header-out :cache-control)
+    (setf (hunchentoot:header-out :cache-control) "no-cache"))
+  (send-head-only hunchentoot:+http-ok+ '(:content-length :keep-alive)))
 
 (defun send-reply (request return-code content)
   "Send the reply: the 101 of a websocket handshake by
@@ -295,6 +312,8 @@ SEND-SWITCHING-PROTOCOLS-REPLY, as octets when OCTETS-REPLY-P, else by
 Hunchentoot's START-OUTPUT."
   (cond ((and (eql return-code hunchentoot:+http-switching-protocols+) *serving* (serving-upgrade *serving*))
          (send-switching-protocols-reply))
+        ((and *serving* (serving-event-stream *serving*))
+         (send-event-stream-head))
         ((octets-reply-p content)
          (send-octets-reply request return-code content))
         (t (hunchentoot-start-output return-code content))))
@@ -330,9 +349,14 @@ acceptor, Hunchentoot's own."
                    (when (hunchentoot:acceptor-ssl-p hunchentoot:*acceptor*)
                      ;; The reply goes through OpenSSL.
                      (forget-tls-errors))
+                   (when (and error (or (serving-deferred *serving*) (serving-event-stream *serving*)))
+                     ;; Answered as the failure says, never completed.
+                     (abandon-held-reply (serving-set *serving*) (worker-connection (serving-worker *serving*)))
+                     (setf (serving-deferred *serving*) nil
+                           (serving-event-stream *serving*) nil))
                    (when error
                      (report-handler-error request error backtrace))
-                   (unless (headers-sent-p)
+                   (unless (or (headers-sent-p) (serving-deferred *serving*))
                      (handler-case
                          (with-hunchentoot-debugger
                            (send-reply request (hunchentoot:return-code*)
@@ -342,3 +366,16 @@ acceptor, Hunchentoot's own."
                        (error (condition)
                          (report-handler-error request condition))))))
             (delete-request-temporary-files))))))
+
+(defun send-completed-reply (request status headers body)
+  "Send the reply to REQUEST that its handler deferred, completed with
+STATUS, the HEADERS alist set on the reply, and BODY, as PROCESS-REQUEST
+sends the reply a handler returned."
+  (catching-request-end
+    (with-request-specials (request)
+      (setf (hunchentoot:return-code*) status)
+      (loop for (name . value) in headers
+            do (setf (hunchentoot:header-out name) value))
+      (handler-case (with-hunchentoot-debugger (send-reply request status body))
+        (error (condition)
+          (report-handler-error request condition))))))

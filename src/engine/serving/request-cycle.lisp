@@ -10,6 +10,9 @@
 ;;;;                   The next request's octets start the worker's buffer,
 ;;;;                   END of them (0: none yet).  Never the end of a turn:
 ;;;;                   the cycle goes on to that request.
+;;;;   :DEFER end      The handler deferred its reply (DEFER-REPLY): wait for
+;;;;                   it; END octets of the next request start the buffer.
+;;;;   :EVENT-STREAM   The reply became an event stream, its head sent.
 ;;;;   :UPGRADE end    A websocket handshake was answered 101: the
 ;;;;                   connection becomes a websocket, END octets of its
 ;;;;                   first frames starting the buffer.
@@ -30,6 +33,26 @@ the engine sends itself on the socket would overtake output left in it."
   (write-sequence *continue-reply* stream)
   (finish-output stream))
 
+(defun end-reply (serving stream status)
+  "After the reply to the current request, of STATUS, on the connection
+whose stream is STREAM: finish its output and reset the connection stream
+as Hunchentoot does; what follows, :LET-GO, :UPGRADE, :CLOSE or :NEXT."
+  ;; Neither touches the stream after a reply the engine sent on a plain
+  ;; connection's own stream when only Hunchentoot's method resets it: at
+  ;; 1,000 connections the stream is cold.
+  (unless (serving-reply-sent-p serving)
+    (finish-output (current-connection-stream)))
+  (unless (and (serving-reply-connection serving)
+               (eq (current-connection-stream) stream)
+               (not (serving-plain-streams-reset-p serving)))
+    (setf (current-connection-stream)
+          (hunchentoot:reset-connection-stream (serving-acceptor serving) (current-connection-stream))))
+  (cond ((not (close-connection-stream-p)) :let-go)
+        ((and (serving-upgrade serving) (eql status hunchentoot:+http-switching-protocols+))
+         :upgrade)
+        ((finish-processing-connection-p) :close)
+        (t :next)))
+
 (defun answer-request (serving connection head content-stream chunked-p continue-p)
   "Answer the request whose REQUEST-HEAD is HEAD: make its request object,
 process it with Hunchentoot's specials bound, flush the reply and reset the
@@ -38,8 +61,9 @@ that stream decodes a chunked body, and it is then also the stream the
 reply is written to, which is how Hunchentoot tells that the body is
 chunked.  A 100 Continue goes first when CONTINUE-P.  Returns :NEXT (the
 caller finds where the next request starts), :UPGRADE (the same, for a
-websocket's frames), :CLOSE, :LET-GO, or :REFUSE and a status (a chunked
-body refused before the reply began)."
+websocket's frames), :DEFER (the same, for a deferred reply), :CLOSE,
+:LET-GO, or :REFUSE and a status (a chunked body refused before the reply
+began)."
   (let ((acceptor (serving-acceptor serving))
         (taskmaster (engine-taskmaster (serving-engine serving)))
         (worker (serving-worker serving))
@@ -64,7 +88,9 @@ body refused before the reply began)."
            (setf (serving-reply-connection serving)
                  (and (not chunked-p) (plain-connection-p connection) connection)
                  (serving-reply-sent-p serving) nil
-                 (serving-upgrade serving) nil)
+                 (serving-upgrade serving) nil
+                 (serving-deferred serving) nil
+                 (serving-event-stream serving) nil)
            (with-request-bindings ()
              (setf (current-connection-stream) (if chunked-p content-stream stream))
              (let ((reply (make-reply (serving-constructors serving))))
@@ -78,26 +104,16 @@ body refused before the reply began)."
                    (declare (dynamic-extent #'process-request))
                    (call-with-request-counted acceptor (serving-requests-in-progress-location serving)
                                               #'process-request)))
-               ;; Neither touches the stream after a reply the engine sent
-               ;; on a plain connection's own stream when only Hunchentoot's
-               ;; method resets it: at 1,000 connections the stream is cold.
-               (unless (serving-reply-sent-p serving)
-                 (finish-output (current-connection-stream)))
-               (unless (and (serving-reply-connection serving)
-                            (eq (current-connection-stream) stream)
-                            (not (serving-plain-streams-reset-p serving)))
-                 (setf (current-connection-stream)
-                       (hunchentoot:reset-connection-stream acceptor (current-connection-stream))))
                (setf status (hunchentoot:return-code reply)
-                     outcome (cond ((not (close-connection-stream-p)) :let-go)
-                                   ((and (serving-upgrade serving) (eql status hunchentoot:+http-switching-protocols+))
-                                    :upgrade)
-                                   ((finish-processing-connection-p) :close)
-                                   (t :next))))))
+                     outcome (cond ((serving-deferred serving) :defer)
+                                   ((and (serving-event-stream serving) (eql status hunchentoot:+http-ok+))
+                                    :event-stream)
+                                   (t (end-reply serving stream status)))))))
       (setf (serving-reply-connection serving) nil)
       ;; Also when the request failed: a soft STOP waits for it.
       (setf microseconds (note-request-finished taskmaster worker :answered (and outcome t))))
-    (note-answered-request (serving-set serving) connection (serving-counter-stripe serving) status microseconds)
+    (unless (eq outcome :defer)
+      (note-answered-request (serving-set serving) connection (serving-counter-stripe serving) status microseconds))
     outcome))
 
 ;;; A request whose body arrives after its head.
@@ -131,9 +147,9 @@ read past a chunked body's end as the next request's."
                                       body-stream)
                                   chunked-p nil)
                (discard-arriving-body (serving-set serving) connection))
-           (if (eq outcome :next)
+           (if (member outcome '(:next :defer))
                (progn (replace buffer detail)
-                      (values :next (length detail)))
+                      (values outcome (length detail)))
                (values outcome status))))))))
 
 (defun start-reading-body (serving connection head length framing head-end end)
@@ -221,7 +237,7 @@ END octets having arrived in all, or begin reading its body."
                      (connection-stream connection))
                (multiple-value-bind (outcome status)
                    (answer-request serving connection head content-stream chunked-p (expects-continue-p head))
-                 (if (member outcome '(:next :upgrade))
+                 (if (member outcome '(:next :upgrade :defer))
                      ;; A chunked body read only in part leaves no way to
                      ;; find where the next request starts.
                      (let ((next-end (and (or (not chunked-p) (body-finished-p content-stream))
@@ -269,7 +285,7 @@ connection has to wait or end: the outcome of the turn, never :NEXT."
              ;; Trying one more read before parking did not pay (bench
              ;; run 2026-11-22T004655Z): a kept-alive connection parks.
              (return (values :park 0))))
-          (:upgrade (return (values :upgrade detail)))
+          ((:upgrade :defer) (return (values outcome detail)))
           ((:close :let-go)
            (when (follow-reply-rest-with connection :close)
              (return (values :send-rest 0)))

@@ -47,6 +47,12 @@
   (reply-sent-p nil)
   ;; The engine's PLAIN-STREAMS-RESET-P of this run.
   (plain-streams-reset-p t :read-only t)
+  ;; The DEFERRED-REPLY the handler of the request being answered made
+  ;; (DEFER-REPLY), or NIL.
+  (deferred nil)
+  ;; The EVENT-STREAM the handler of the request being answered made its
+  ;; reply (START-EVENT-STREAM), or NIL.
+  (event-stream nil)
   ;; The WEBSOCKET-UPGRADE of the request being answered once its
   ;; handshake has been accepted, until the connection becomes the
   ;; websocket; NIL otherwise.

@@ -1,0 +1,168 @@
+;;;; Deferred replies and the engine's timer: a handler that returns
+;;;; without its reply frees its worker; any thread completes the reply
+;;;; once; the timeout, the client hanging up, a failing handler and STOP
+;;;; each settle it as documented.
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite deferred-replies :in all :description "Replies that wait without a thread.")
+(in-suite deferred-replies)
+
+(defvar *last-deferred* nil
+  "The DEFERRED-REPLY the last /test/deferred/... handler made.")
+
+(defvar *client-gone-calls* 0)
+
+(ht:define-easy-handler (test-deferred-timer :uri "/test/deferred/timer") ((ms :parameter-type 'integer))
+  (let ((deferred (defer-reply)))
+    (call-after (or ms 0) (lambda ()
+                            (complete-reply deferred :status ht:+http-created+ :content-type "text/plain"
+                                                     :headers '((:x-waited . "yes"))
+                                                     :body (format nil "waited ~D ms" ms))))
+    "never sent"))
+
+(ht:define-easy-handler (test-deferred-thread :uri "/test/deferred/thread") ()
+  (let ((deferred (defer-reply)))
+    (bt:make-thread (lambda () (sleep 0.05) (complete-reply deferred :body "from a thread"))
+                    :name "test completer")
+    nil))
+
+(ht:define-easy-handler (test-deferred-never :uri "/test/deferred/never") ((status :parameter-type 'integer))
+  (setf *last-deferred* (defer-reply :timeout 0.5 :timeout-status (or status 503)
+                                     :on-client-gone (lambda (deferred)
+                                                       (declare (ignore deferred))
+                                                       (incf *client-gone-calls*))))
+  nil)
+
+(ht:define-easy-handler (test-deferred-then-error :uri "/test/deferred/then-error") ()
+  (setf *last-deferred* (defer-reply))
+  (error "failed after deferring"))
+
+(ht:define-easy-handler (test-deferred-now :uri "/test/deferred/now") ()
+  "not deferred")
+
+(defun deferring-server ()
+  (pooled-server :standby-thread-count 2 :max-thread-count 4 :stop-timeout 5))
+
+(test deferred-reply.completed-by-the-timer
+  (with-server (server (deferring-server))
+    (multiple-value-bind (body status headers) (drakma:http-request (url server "/test/deferred/timer?ms=50"))
+      (is (eql 201 status))
+      (is (equal "waited 50 ms" body))
+      (is (equal "yes" (cdr (assoc :x-waited headers))))
+      (is (search "text/plain" (cdr (assoc :content-type headers)))))))
+
+(test deferred-reply.completed-by-another-thread
+  (with-server (server (deferring-server))
+    (multiple-value-bind (status body) (http-get server "/test/deferred/thread")
+      (is (eql 200 status))
+      (is (equal "from a thread" body)))))
+
+(test deferred-reply.waits-holding-no-worker
+  ;; 200 replies waiting at once on at most 4 workers, all answered.
+  (with-server (server (deferring-server))
+    (let* ((sockets (loop repeat 200 collect (connect server))))
+      (unwind-protect
+           (progn
+             (dolist (socket sockets)
+               (send-text socket (crlf-lines "GET /test/deferred/timer?ms=1500 HTTP/1.1" "Host: x" "" "")))
+             (is (wait-until (lambda () (>= (or (stats server :deferred-replies) 0) 200)) :timeout 5)
+                 "~D replies deferred" (stats server :deferred-replies))
+             (is (<= (stats server :threads) 4))
+             (is (= 200 (count 201 (mapcar #'read-response sockets)))))
+        (mapc #'usocket:socket-close sockets)))))
+
+(test deferred-reply.keeps-the-connection-and-the-order-of-replies
+  (with-server (server (deferring-server))
+    (let ((socket (connect server)))
+      (unwind-protect
+           (progn
+             (send-text socket (concatenate 'string
+                                            (crlf-lines "GET /test/deferred/timer?ms=100 HTTP/1.1" "Host: x" "" "")
+                                            (crlf-lines "GET /test/deferred/now HTTP/1.1" "Host: x" "" "")))
+             (multiple-value-bind (status body) (read-response socket)
+               (is (eql 201 status))
+               (is (equal "waited 100 ms" body)))
+             (multiple-value-bind (status body) (read-response socket)
+               (is (eql 200 status))
+               (is (equal "not deferred" body)))
+             (send-text socket (crlf-lines "GET /test/deferred/timer?ms=10 HTTP/1.1" "Host: x" "" ""))
+             (is (eql 201 (read-response socket))))
+        (usocket:socket-close socket)))))
+
+(test deferred-reply.answered-at-its-timeout-and-completed-no-more
+  (with-server (server (deferring-server))
+    (is (eql 503 (http-get server "/test/deferred/never")))
+    (is (eql 504 (http-get server "/test/deferred/never?status=504")))
+    (is (not (reply-pending-p *last-deferred*)))
+    (is (null (complete-reply *last-deferred* :body "late")))
+    (is (= 2 (stats server :deferred-reply-timeouts)))))
+
+(test deferred-reply.completed-once
+  (with-server (server (deferring-server))
+    (let ((socket (connect server)))
+      (unwind-protect
+           (progn
+             (setf *last-deferred* nil)
+             (send-text socket (crlf-lines "GET /test/deferred/never HTTP/1.1" "Host: x" "" ""))
+             (is (wait-until (lambda () *last-deferred*)))
+             (is (eq t (complete-reply *last-deferred* :body "first")))
+             (is (null (complete-reply *last-deferred* :body "second")))
+             (multiple-value-bind (status body) (read-response socket)
+               (is (eql 200 status))
+               (is (equal "first" body))))
+        (usocket:socket-close socket)))))
+
+(test deferred-reply.client-gone-noticed
+  (with-server (server (deferring-server))
+    (let ((socket (connect server))
+          (calls *client-gone-calls*))
+      (setf *last-deferred* nil)
+      (send-text socket (crlf-lines "GET /test/deferred/never HTTP/1.1" "Host: x" "" ""))
+      (is (wait-until (lambda () *last-deferred*)))
+      (usocket:socket-close socket)
+      (is (wait-until (lambda () (reply-client-gone-p *last-deferred*)) :timeout 2))
+      (is (wait-until (lambda () (= (1+ calls) *client-gone-calls*)) :timeout 2))
+      (is (null (complete-reply *last-deferred* :body "nobody there")))
+      (is (wait-until (lambda () (eql 1 (stats server :deferred-clients-gone))))))))
+
+(test deferred-reply.failing-handler-answers-500
+  (with-server (server (deferring-server))
+    (is (eql 500 (http-get server "/test/deferred/then-error")))
+    (is (null (complete-reply *last-deferred* :body "too late")))
+    (is (eql 0 (stats server :deferred-replies)))))
+
+(test deferred-reply.outside-a-handler-is-refused
+  (signals reply-not-deferrable (defer-reply)))
+
+(test deferred-reply.soft-stop-waits-for-it
+  (let ((server (deferring-server)))
+    (ht:start server)
+    (let ((socket (connect server)))
+      (unwind-protect
+           (progn
+             (send-text socket (crlf-lines "GET /test/deferred/timer?ms=300 HTTP/1.1" "Host: x" "" ""))
+             (is (wait-until (lambda () (eql 1 (stats server :deferred-replies)))))
+             (let ((stopped (in-thread (lambda () (ht:stop server :soft t)))))
+               (is (eql 201 (read-response socket)))
+               (funcall stopped))
+             (is (not (ht:started-p server))))
+        (usocket:socket-close socket)))))
+
+(test call-after.calls-in-order-and-cancel-call-prevents
+  (with-server (server (deferring-server))
+    (let ((calls '())
+          (lock (bt:make-lock)))
+      (flet ((note (what) (lambda () (bt:with-lock-held (lock) (push what calls)))))
+        (call-after 60 (note :third) :acceptor server)
+        (call-after 20 (note :second) :acceptor server)
+        (call-after 0 (note :first) :acceptor server)
+        (cancel-call (call-after 40 (note :cancelled) :acceptor server))
+        (is (wait-until (lambda () (= 3 (length calls)))))
+        (sleep 0.1)
+        (is (equal '(:first :second :third) (reverse calls)))))))
+
+(test call-after.error-in-a-timer-is-logged-and-harmless
+  (with-server (server (deferring-server))
+    (call-after 0 (lambda () (error "a timer fails")) :acceptor server)
+    (is (eql 201 (http-get server "/test/deferred/timer?ms=1")))))

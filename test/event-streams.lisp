@@ -1,0 +1,199 @@
+;;;; Event streams and channels: a handler starts a text/event-stream reply
+;;;; and returns; events sent from any thread reach the client in order;
+;;;; an idle stream gets its keep-alive comment; a client that reads
+;;;; nothing is closed and counted; a publish reaches event streams and
+;;;; websocket clients alike.
+
+(in-package #:hunchentoot-recycling-taskmaster-test)
+
+(def-suite event-streams :in all :description "Server-sent events and channels.")
+(in-suite event-streams)
+
+(defvar *streams* '()
+  "The EVENT-STREAMs the /test/events handler started, newest first.")
+
+(defvar *streams-lock* (bt:make-lock))
+
+(ht:define-easy-handler (test-events :uri "/test/events")
+    ((keep-alive :parameter-type 'integer) (queue :parameter-type 'integer) channel fail)
+  (let ((stream (start-event-stream :keep-alive-seconds (if keep-alive (/ keep-alive 1000) 15)
+                                    :max-queue-bytes queue)))
+    (bt:with-lock-held (*streams-lock*) (push stream *streams*))
+    (when channel
+      (subscribe channel stream))
+    (send-event stream (format nil "~A" (or (last-event-id) "first")) :event "hello")
+    (when fail
+      (error "failed after starting the stream"))
+    "ignored"))
+
+(defun newest-stream ()
+  (bt:with-lock-held (*streams-lock*) (first *streams*)))
+
+(defun open-event-stream (server path &rest header-lines)
+  "A socket whose event stream on PATH has begun, and the head; or NIL and
+the status."
+  (let ((socket (connect server)))
+    (send-text socket (apply #'crlf-lines (format nil "GET ~A HTTP/1.1" path) "Host: x"
+                             (append header-lines (list ""))))
+    (multiple-value-bind (status head) (read-reply-head socket)
+      (if (eql status 200)
+          (values socket head)
+          (progn (usocket:socket-close socket) (values nil status))))))
+
+(defun read-event (socket &key (timeout 10))
+  "The text of the next event or comment from SOCKET, up to and with the
+blank line that ends it; NIL at the end of the stream or after TIMEOUT."
+  (let ((stream (usocket:socket-stream socket))
+        (octets (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer t))
+        (deadline (+ (get-internal-real-time) (* timeout internal-time-units-per-second))))
+    (loop until (and (>= (length octets) 2)
+                     (= 10 (aref octets (1- (length octets))) (aref octets (- (length octets) 2))))
+          do (when (> (get-internal-real-time) deadline) (return-from read-event nil))
+             (when (handler-case (usocket:wait-for-input socket :timeout 0.1 :ready-only t)
+                     (stream-error () (return-from read-event nil)))
+               (let ((byte (handler-case (read-byte stream nil) (stream-error () nil))))
+                 (if byte (vector-push-extend byte octets) (return-from read-event nil)))))
+    (flex:octets-to-string octets :external-format :utf-8)))
+
+(defmacro with-event-stream ((socket server path &rest header-lines) &body body)
+  `(let ((,socket (open-event-stream ,server ,path ,@header-lines)))
+     (is (not (null ,socket)) "the event stream began")
+     (when ,socket
+       (unwind-protect (progn ,@body)
+         (usocket:socket-close ,socket)))))
+
+(defun event-server (&rest initargs)
+  (apply #'pooled-server :standby-thread-count 2 :max-thread-count 4 :stop-timeout 5 initargs))
+
+(test event-stream.head-then-events-in-order
+  (with-server (server (event-server))
+    (multiple-value-bind (socket head) (open-event-stream server "/test/events")
+      (is (not (null socket)))
+      (when socket
+        (unwind-protect
+             (progn
+               (is (search "Content-Type: text/event-stream; charset=utf-8" head))
+               (is (search "Cache-Control: no-cache" head))
+               (is (search "Connection: close" head))
+               (is (not (search "Content-Length" head)))
+               (is (equal (format nil "event: hello~%data: first~%~%") (read-event socket)))
+               (let ((stream (newest-stream)))
+                 (dotimes (i 3)
+                   (is (eq t (send-event stream (format nil "event ~D" i)))))
+                 (dotimes (i 3)
+                   (is (equal (format nil "data: event ~D~%~%" i) (read-event socket))))))
+          (usocket:socket-close socket))))))
+
+(test event-stream.fields-lines-and-last-event-id
+  (with-server (server (event-server))
+    (with-event-stream (socket server "/test/events" "Last-Event-ID: 41")
+      (is (equal (format nil "event: hello~%data: 41~%~%") (read-event socket)))
+      (send-event (newest-stream) (format nil "one~%two~C~Cthree~Cfour" #\Return #\Newline #\Return)
+                  :event "update" :id 42 :retry 1000)
+      (is (equal (format nil "event: update~%id: 42~%retry: 1000~%data: one~%data: two~%data: three~%data: four~%~%")
+                 (read-event socket)))
+      (signals event-field-refused (send-event (newest-stream) "x" :id (format nil "4~%2")))
+      (signals event-field-refused (send-event (newest-stream) "x" :event (format nil "a~Cb" #\Return))))))
+
+(test event-stream.streams-hold-no-worker
+  (with-server (server (event-server))
+    (let ((sockets (loop repeat 100 collect (open-event-stream server "/test/events"))))
+      (unwind-protect
+           (progn
+             (is (every #'identity sockets))
+             (is (wait-until (lambda () (eql 100 (stats server :open-event-streams)))))
+             (is (<= (stats server :threads) 4))
+             (is (eql 200 (http-get server "/test/deferred/now"))))
+        (mapc (lambda (socket) (when socket (usocket:socket-close socket))) sockets))
+      (is (wait-until (lambda () (eql 0 (stats server :open-event-streams))))
+          "streams whose client left are closed"))))
+
+(test event-stream.idle-stream-gets-its-keep-alive-comment
+  (with-server (server (event-server))
+    (with-event-stream (socket server "/test/events?keep-alive=200")
+      (read-event socket)
+      (is (equal (format nil ":~%~%") (read-event socket :timeout 3))))))
+
+(test event-stream.client-that-reads-nothing-is-closed-and-counted
+  (with-server (server (event-server))
+    (with-event-stream (socket server "/test/events?queue=65536")
+      (let ((stream (newest-stream))
+            (kilobyte (make-string 1024 :initial-element #\x)))
+        ;; The sockets' buffers take some megabytes; the queue 64 KiB more.
+        (is (not (loop repeat 100000 always (send-event stream kilobyte))))
+        (is (wait-until (lambda () (eql 1 (stats server :event-streams-not-reading)))))
+        (is (wait-until (lambda () (eql 0 (stats server :open-event-streams)))))
+        (is (null (send-event stream "after the end")))
+        (is (eql 200 (http-get server "/test/deferred/now")))))))
+
+(test event-stream.close-event-stream-ends-the-body-after-its-events
+  (with-server (server (event-server))
+    (with-event-stream (socket server "/test/events")
+      (read-event socket)
+      (let ((stream (newest-stream)))
+        (send-event stream "last")
+        (close-event-stream stream)
+        (is (not (event-stream-open-p stream))))
+      (is (equal (format nil "data: last~%~%") (read-event socket)))
+      (is (null (read-event socket :timeout 3)) "the body ends with the connection"))))
+
+(test event-stream.stop-ends-every-stream
+  (let ((server (event-server)))
+    (ht:start server)
+    (let ((sockets (loop repeat 5 collect (open-event-stream server "/test/events"))))
+      (unwind-protect
+           (progn
+             (dolist (socket sockets) (read-event socket))
+             (ht:stop server)
+             (is (every (lambda (socket) (null (read-event socket :timeout 3))) sockets)))
+        (mapc #'usocket:socket-close sockets)))))
+
+(test event-stream.failing-handler-answers-500
+  (with-server (server (event-server))
+    (let ((before (length *streams*)))
+      (is (eql 500 (http-get server "/test/events?fail=yes")))
+      (is (= (1+ before) (length *streams*)))
+      (is (not (event-stream-open-p (newest-stream))))
+      (is (eql 0 (stats server :open-event-streams))))))
+
+(test event-stream.outside-a-handler-is-refused
+  (signals reply-not-deferrable (start-event-stream)))
+
+;;; Channels.
+
+(defclass channel-websocket-resource (ws:websocket-resource) ()
+  (:documentation "Subscribes each client to the channel \"room\"."))
+
+(defmethod ws:client-connected ((resource channel-websocket-resource) client)
+  (subscribe "room" client))
+
+(defvar *channel-resource* (make-instance 'channel-websocket-resource))
+
+(defun find-channel-resource (request)
+  (and (string= (ht:script-name request) "/test/room") *channel-resource*))
+
+(pushnew 'find-channel-resource ws:*websocket-dispatch-table*)
+
+(test channels.publish-reaches-event-streams-and-websockets
+  (with-server (server (event-server))
+    (with-event-stream (first-stream server "/test/events?channel=room")
+      (with-event-stream (second-stream server "/test/events?channel=room")
+        (with-websocket (websocket server "/test/room")
+          (read-event first-stream)
+          (read-event second-stream)
+          ;; The websocket subscribes in CLIENT-CONNECTED, after its 101.
+          (is (wait-until (lambda () (= 3 (length (hrt::channel-subscribers (hrt::find-channel "room" t)))))))
+          (is (eql 3 (publish "room" "to everyone" :event "news")))
+          (is (eql 0 (publish "elsewhere" "to nobody")))
+          (is (equal (format nil "event: news~%data: to everyone~%~%") (read-event first-stream)))
+          (is (equal (format nil "event: news~%data: to everyone~%~%") (read-event second-stream)))
+          (is (equal "to everyone" (read-text websocket))))))))
+
+(test channels.subscribers-that-end-leave
+  (with-server (server (event-server))
+    (with-event-stream (socket server "/test/events?channel=leaving")
+      (read-event socket)
+      (is (eql 1 (publish "leaving" "one"))))
+    (is (wait-until (lambda () (eql 0 (stats server :open-event-streams)))))
+    (is (eql 0 (publish "leaving" "none")))
+    (is (null (hrt::find-channel "leaving" nil)))))
