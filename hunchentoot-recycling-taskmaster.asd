@@ -215,7 +215,8 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "perf-profile")
                (:file "websockets")
                (:file "threaded-floor")
-               (:file "scheduling")))
+               (:file "scheduling")
+               (:file "events")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
   :author "The hunchentoot-recycling-taskmaster authors"

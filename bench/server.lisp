@@ -101,6 +101,24 @@ by every reply, as a handler returning a cached page shares it.")
   (setf (ht:content-type*) "text/plain")
   (princ-to-string (length (ht:raw-post-data :force-binary t))))
 
+;;; Replies that wait (ours only): the demo's, for bench/events.lisp.
+
+(ht:define-easy-handler (bench-wait :uri "/wait") ((ms :parameter-type 'integer :init-form 1000))
+  (let ((reply (hrt:defer-reply :timeout 60)))
+    (hrt:call-after ms (lambda () (hrt:complete-reply reply :content-type "text/plain" :body "waited")))
+    nil))
+
+(ht:define-easy-handler (bench-events :uri "/events") ((channel :init-form "load"))
+  (let ((stream (hrt:start-event-stream)))
+    (hrt:send-event stream (princ-to-string (sb-posix:getpid)) :event "hello")
+    (hrt:subscribe channel stream)
+    nil))
+
+(ht:define-easy-handler (bench-publish :uri "/publish") ((channel :init-form "load") (msg :init-form "")
+                                                         (repeat :parameter-type 'integer :init-form 1))
+  (setf (ht:content-type*) "text/plain")
+  (format nil "~D ~D" (loop repeat repeat sum (hrt:publish channel msg)) (sb-posix:getpid)))
+
 (ht:define-easy-handler (full-gc :uri "/gc") ()
   (setf (ht:content-type*) "text/plain")
   (sb-ext:gc :full t)
@@ -208,6 +226,8 @@ also serves TLS there with the SSL-CERTIFICATE and SSL-KEY files, and
       (setf *handler-delay* (and (plusp delay-ms) (/ delay-ms 1000))))
   (when static-folder
     (serve-static-folder kind static-folder))
+  (when (and (member kind '(:parallel :parallel-timer)) (plusp (length (or (uiop:getenv "PGDATABASE") ""))))
+    (setf hrt:*channel-bus* (hrt:make-postgresql-channel-bus)))
   (start-server kind port :reuse-port reuse-port :worker-scheduling-policy worker-scheduling-policy)
   (when ssl-port
     (start-hunchentoot ssl-port (if (eq kind :hunchentoot) 'ht:easy-ssl-acceptor 'hrt:parallel-easy-ssl-acceptor)

@@ -166,3 +166,10 @@
   (with-server (server (deferring-server))
     (call-after 0 (lambda () (error "a timer fails")) :acceptor server)
     (is (eql 201 (http-get server "/test/deferred/timer?ms=1")))))
+
+(test deferred-reply.over-tls
+  (with-server (server (tls-server))
+    (dotimes (i 3)
+      (multiple-value-bind (status body) (http-get server "/test/deferred/timer?ms=20" :verify nil)
+        (is (eql 201 status))
+        (is (equal "waited 20 ms" body))))))

@@ -197,3 +197,27 @@ blank line that ends it; NIL at the end of the stream or after TIMEOUT."
     (is (wait-until (lambda () (eql 0 (stats server :open-event-streams)))))
     (is (eql 0 (publish "leaving" "none")))
     (is (null (hrt::find-channel "leaving" nil)))))
+
+(test event-stream.over-tls
+  (with-server (server (tls-server))
+    (let* ((socket (usocket:socket-connect "127.0.0.1" (ht:acceptor-port server) :element-type '(unsigned-byte 8)))
+           (tls (cl+ssl:make-ssl-client-stream (usocket:socket-stream socket) :verify nil)))
+      (unwind-protect
+           (progn
+             (write-sequence (flex:string-to-octets (crlf-lines "GET /test/events HTTP/1.1" "Host: x" "") :external-format :latin-1) tls)
+             (finish-output tls)
+             (let ((head (loop with octets = (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer t)
+                               until (search #(13 10 13 10) octets)
+                               do (vector-push-extend (read-byte tls) octets)
+                               finally (return (flex:octets-to-string octets :external-format :latin-1)))))
+               (is (search "text/event-stream" head)))
+             (flet ((next-event ()
+                      (loop with octets = (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer t)
+                            until (search #(10 10) octets)
+                            do (vector-push-extend (read-byte tls) octets)
+                            finally (return (flex:octets-to-string octets :external-format :utf-8)))))
+               (is (equal (format nil "event: hello~%data: first~%~%") (next-event)))
+               (send-event (newest-stream) "over TLS")
+               (is (equal (format nil "data: over TLS~%~%") (next-event)))))
+        (ignore-errors (close tls))
+        (usocket:socket-close socket)))))
