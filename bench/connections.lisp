@@ -55,6 +55,15 @@
              (total (+ head-end 4 (if match (parse-integer (aref match 0)) 0))))
         (and (<= total fill) total)))))
 
+(defun receive-growing (fd buffer fill)
+  "Receive what has arrived on FD into BUFFER after its FILL octets,
+BUFFER doubled first when it is full: the buffer, and the count received,
+0 at end of file, :WOULD-BLOCK or :ERROR."
+  (let ((buffer (if (= fill (length buffer))
+                    (replace (make-array (* 2 (length buffer)) :element-type '(unsigned-byte 8)) buffer)
+                    buffer)))
+    (values buffer (hrt::receive-available fd buffer fill (length buffer)))))
+
 (defun reply-status (buffer)
   (parse-integer (map 'string #'code-char (subseq buffer 9 12)) :junk-allowed t))
 

@@ -64,10 +64,8 @@ epoll set; NIL when it could not connect."
 (defun read-event-client (client)
   "Take what has arrived on CLIENT: the head, then events; a reply with a
 Content-Length (a /wait) is noted whole once its head is in."
-  (when (= (ec-fill client) (length (ec-buffer client)))
-    (setf (ec-buffer client) (replace (make-array (* 2 (length (ec-buffer client))) :element-type '(unsigned-byte 8))
-                                      (ec-buffer client))))
-  (let ((count (hrt::receive-available (ec-fd client) (ec-buffer client) (ec-fill client) (length (ec-buffer client)))))
+  (multiple-value-bind (buffer count) (receive-growing (ec-fd client) (ec-buffer client) (ec-fill client))
+    (setf (ec-buffer client) buffer)
     (cond ((eq count :would-block))
           ((or (eq count :error) (eql count 0)) (close-event-client client))
           (t (incf (ec-fill client) count)

@@ -158,11 +158,8 @@ sequence it sent; a broadcast is noted with its time."
 
 (defun read-websocket-client (client)
   "Take what has arrived on CLIENT: the 101, then frames."
-  (when (= (wsc-fill client) (length (wsc-buffer client)))
-    (setf (wsc-buffer client) (replace (make-array (* 2 (length (wsc-buffer client))) :element-type '(unsigned-byte 8))
-                                       (wsc-buffer client))))
-  (let ((count (hrt::receive-available (wsc-fd client) (wsc-buffer client) (wsc-fill client)
-                                       (length (wsc-buffer client)))))
+  (multiple-value-bind (buffer count) (receive-growing (wsc-fd client) (wsc-buffer client) (wsc-fill client))
+    (setf (wsc-buffer client) buffer)
     (cond ((eq count :would-block))
           ((or (eq count :error) (eql count 0)) (close-websocket-client client))
           (t (incf (wsc-fill client) count)

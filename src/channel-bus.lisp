@@ -12,8 +12,7 @@ DELIVER-PUBLISHED.")
 (defgeneric bus-publish (bus channel message event id)
   (:documentation "Send MESSAGE, published to CHANNEL here with EVENT and ID,
 to the other processes on BUS, without waiting on them.  True when it was
-taken; NIL when the bus refused it (too long) or cannot reach the others
-now."))
+taken; NIL when the bus has too many waiting already."))
 
 (defgeneric bus-statistics (bus)
   (:documentation "What BUS has counted, as a plist under the :BUS- keys of

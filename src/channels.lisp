@@ -9,6 +9,10 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
+(defconstant +max-published-octets+ (* 1024 1024)
+  "The longest message PUBLISH takes, in octets of UTF-8: one that would
+fill the default queue of every subscriber at once is a mistake.")
+
 (defstruct (channel (:constructor make-channel (name)))
   (name "" :type string :read-only t)
   (lock (bt:make-lock "channel") :read-only t)
@@ -88,9 +92,13 @@ EVENT, with ID) to event streams, a text message to websocket clients;
 with a *CHANNEL-BUS*, to the subscribers of other processes too, in the
 order published from this process.  The number of this process's
 subscribers it was sent to.  Signals EVENT-FIELD-REFUSED for an EVENT or
-ID with a line break."
+ID with a line break, MESSAGE-TOO-LONG for a MESSAGE over
++MAX-PUBLISHED-OCTETS+."
   (check-type channel-name string)
   (check-type message string)
+  (let ((octets (utf-8-length (coerce message 'simple-string))))
+    (when (> octets +max-published-octets+)
+      (error 'message-too-long :octets octets :limit +max-published-octets+)))
   (when event (check-event-field :event (string event)))
   (when id (check-event-field :id (princ-to-string id)))
   (let ((bus *channel-bus*))

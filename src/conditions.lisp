@@ -83,6 +83,16 @@ PARALLEL-ACCEPTOR's request, or after the reply's headers were sent."))
   (:documentation "Signalled by SEND-EVENT and PUBLISH for an event name or id
 that would end its line early."))
 
+(define-condition message-too-long (recycling-taskmaster-error)
+  ((octets :initarg :octets :reader message-octet-count
+           :documentation "The octets of the message, in UTF-8.")
+   (limit :initarg :limit :reader message-octet-limit
+          :documentation "The most a published message may have."))
+  (:report (lambda (condition stream)
+             (format stream "A published message may have ~D octets at most; this one has ~D."
+                     (message-octet-limit condition) (message-octet-count condition))))
+  (:documentation "Signalled by PUBLISH for a message over +MAX-PUBLISHED-OCTETS+."))
+
 (define-condition recycling-taskmaster-corrupted-error (recycling-taskmaster-error)
   ((taskmaster :initarg :taskmaster :reader error-taskmaster
                :documentation "The taskmaster whose pool is in doubt.")

@@ -61,10 +61,14 @@ is gone: only one call completes a reply."
     (when (settle-deferred-reply-outcome deferred (make-completion status headers body))
       (let ((set (deferred-reply-set deferred))
             (connection (deferred-reply-connection deferred)))
-        ;; See "Who arms it" in deferred-reply.lisp.
-        (when (and (take-parked-connection connection)
-                   (not (park-for-completed-reply set connection)))
-          (close-connection set connection)))
+        ;; See "Who arms it" in deferred-reply.lisp.  A worker calling
+        ;; the timers serves the connection itself once they are called.
+        (when (take-parked-connection connection)
+          (let ((serving *serving*))
+            (cond ((and serving (listp (serving-completed serving)) (eq (serving-set serving) set))
+                   (push connection (serving-completed serving)))
+                  ((not (park-for-completed-reply set connection))
+                   (close-connection set connection))))))
       t)))
 
 (defun reply-pending-p (deferred)

@@ -125,6 +125,7 @@ hunchentoot-recycling-taskmaster, which calls it WS.")
    #:acceptor-not-parallel-error
    #:reply-not-deferrable
    #:event-field-refused
+   #:message-too-long
    #:chunked-body-malformed
    #:request-body-too-large
    #:request-body-not-stored

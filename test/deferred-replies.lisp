@@ -173,3 +173,19 @@
       (multiple-value-bind (status body) (http-get server "/test/deferred/timer?ms=20" :verify nil)
         (is (eql 201 status))
         (is (equal "waited 20 ms" body))))))
+
+(test deferred-reply.request-sent-while-it-waits-is-answered-after-it
+  (with-server (server (deferring-server))
+    (let ((socket (connect server)))
+      (unwind-protect
+           (progn
+             (send-text socket (crlf-lines "GET /test/deferred/timer?ms=400 HTTP/1.1" "Host: x" "" ""))
+             (is (wait-until (lambda () (eql 1 (stats server :deferred-replies)))))
+             (send-text socket (crlf-lines "GET /test/deferred/now HTTP/1.1" "Host: x" "" ""))
+             (multiple-value-bind (status body) (read-response socket)
+               (is (eql 201 status))
+               (is (equal "waited 400 ms" body)))
+             (multiple-value-bind (status body) (read-response socket)
+               (is (eql 200 status))
+               (is (equal "not deferred" body))))
+        (usocket:socket-close socket)))))

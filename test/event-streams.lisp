@@ -221,3 +221,8 @@ blank line that ends it; NIL at the end of the stream or after TIMEOUT."
                (is (equal (format nil "data: over TLS~%~%") (next-event)))))
         (ignore-errors (close tls))
         (usocket:socket-close socket)))))
+
+(test channels.publish-refuses-what-it-cannot-send
+  (signals message-too-long (publish "anywhere" (make-string (1+ (* 1024 1024)) :initial-element #\x)))
+  (signals event-field-refused (publish "anywhere" "x" :event (format nil "a~%b")))
+  (is (eql 0 (publish "anywhere" "to nobody"))))

@@ -73,8 +73,25 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
     (loop for token = (next-ready-token engine worker set)
           while token
           do (if (= token +timer-token+)
-                 (run-due-timers set (engine-acceptor engine))
+                 (run-timers-serving-completions engine set serving)
                  (serve-ready-token engine worker set serving token)))))
+
+(defun run-timers-serving-completions (engine set serving)
+  "Call SET's timers that are due, then serve the connections whose
+deferred replies they completed (COMPLETE-REPLY took them), here and now
+rather than through another report of the set; what an unwind leaves is
+parked for output, for any worker."
+  (setf (serving-completed serving) '())
+  (let ((connections '()))
+    (unwind-protect
+         (progn (run-due-timers set (engine-acceptor engine))
+                (setf connections (nreverse (shiftf (serving-completed serving) :unused)))
+                (loop while connections
+                      do (serve-connection serving (pop connections))))
+      (setf (serving-completed serving) :unused)
+      (dolist (connection connections)
+        (unless (park-for-completed-reply set connection)
+          (close-connection set connection))))))
 
 (defun serve-ready-token (engine worker set serving token)
   "Serve what TOKEN, reported to WORKER by SET, stands for: a new connection

@@ -23,14 +23,13 @@
               epoll-fd operation fd sap)))))
 
 (defun epoll-events (awaited trigger)
-  "The events mask for AWAITED (:INPUT, :OUTPUT, :HANGUP for the peer's
-closing alone, :NONE for errors alone) reported as TRIGGER says:
+  "The events mask for AWAITED (:INPUT, :OUTPUT, :NONE for errors alone)
+reported as TRIGGER says:
 :LEVEL while ready, :ONE-SHOT once until armed again, :EDGE each time it
 becomes ready (new octets, new room)."
   (logior (ecase awaited
             (:input (logior +epollin+ +epollrdhup+))
             (:output +epollout+)
-            (:hangup +epollrdhup+)
             (:none 0))
           (ecase trigger
             (:level 0)

@@ -2,7 +2,8 @@
 ;;;; reply, START-EVENT-STREAM in src/event-streams.lisp): its head sent,
 ;;;; its events go out through its outbox (outbox.lisp, "Sending from any
 ;;;; thread"), and it waits in the readiness set -- for room in its socket,
-;;;; for its client hanging up, for the time of its next keep-alive comment,
+;;;; for its client hanging up (or sending, which is never read), for the
+;;;; time of its next keep-alive comment,
 ;;;; which keeps proxies from closing an idle stream.  What its client does
 ;;;; not take waits up to MAX-QUEUE-BYTES; a stream that would pass them, or
 ;;;; whose client takes nothing of them for the write timeout, is closed
@@ -90,7 +91,7 @@ not be armed."
             ((event-stream-close-requested-p stream) (return :close)))
       (setf (connection-awaiting connection) (cond ((event-stream-queue stream) :output)
                                                    ((event-stream-input-seen-p stream) :none)
-                                                   (t :hangup))
+                                                   (t :input))
             (connection-timeout-status connection) nil)
       (unless (park-connection set connection (event-stream-deadline stream))
         (return :close))

@@ -128,12 +128,14 @@ connection keeps."
 
 (defun park-deferred-reply (engine set connection buffer end)
   "Park CONNECTION, held by the caller, its reply deferred, keeping the END
-octets of BUFFER, until its client hangs up or its deadline; taken back and
+octets of BUFFER, until its client sends or hangs up, or its deadline; taken back and
 parked for output when the reply was completed meanwhile (deferred-reply.lisp,
 Who arms it)."
   (let ((deferred (connection-deferred connection)))
     (keep-pending-bytes connection buffer end (readiness-set-memory-budget set))
-    (setf (connection-awaiting connection) (if (deferred-reply-input-seen-p deferred) :none :hangup)
+    ;; Watched for input as it was, edge-triggered: no system call; a
+    ;; report is its client leaving or sending its next request.
+    (setf (connection-awaiting connection) (if (deferred-reply-input-seen-p deferred) :none :input)
           (connection-timeout-status connection) nil)
     (park-until engine set connection (deferred-reply-deadline deferred))
     (memory-barrier)

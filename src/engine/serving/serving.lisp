@@ -50,6 +50,10 @@
   ;; The DEFERRED-REPLY the handler of the request being answered made
   ;; (DEFER-REPLY), or NIL.
   (deferred nil)
+  ;; While the worker calls the timers due, the connections whose deferred
+  ;; reply they completed, taken, for it to serve next (COMPLETE-REPLY);
+  ;; :UNUSED otherwise.
+  (completed :unused)
   ;; The EVENT-STREAM the handler of the request being answered made its
   ;; reply (START-EVENT-STREAM), or NIL.
   (event-stream nil)
