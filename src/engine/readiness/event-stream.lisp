@@ -85,7 +85,9 @@ not be armed."
   (let ((connection (event-stream-connection stream))
         (set (event-stream-set stream)))
     (loop
-      (cond ((event-stream-refusal-code stream) (return (close-for-not-reading stream)))
+      (cond ((eql (event-stream-refusal-code stream) 1008) (return (close-for-not-reading stream)))
+            ;; 1013: the memory budget refused an event (counted there).
+            ((event-stream-refusal-code stream) (return :close))
             ((eq (send-outbox-queue stream) :failed) (return :close))
             ;; After the send: what was sent before the request goes first.
             ((event-stream-close-requested-p stream) (return :close)))
