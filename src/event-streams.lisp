@@ -74,20 +74,11 @@ EVENT or ID with a line break or NUL."
       (hold-counted-octets counted)
       counted)))
 
-(defun serve-event-stream-output (stream)
-  "Send what waits for STREAM now, when its connection is parked: the
-caller takes it, sends, and parks it again, or closes it when it is to
-close.  When another thread holds it, that thread sends before parking."
-  (let ((connection (event-stream-connection stream)))
-    (when (take-parked-connection connection)
-      (unless (eq (park-event-stream stream) t)
-        (close-connection (event-stream-set stream) connection)))))
-
 (defun offer-event (stream counted)
   "Offer COUNTED, event octets the caller holds, to STREAM and send them if
 it is parked.  True when they were taken."
   (prog1 (offer-event-octets stream counted)
-    (serve-event-stream-output stream)))
+    (serve-outbox-output stream)))
 
 (defun send-event (stream data &key event id retry)
   "Send STREAM an event whose data is the string DATA (each of its lines a
@@ -103,14 +94,14 @@ budget.  Signals EVENT-FIELD-REFUSED for an EVENT or ID with a line break."
           (prog1 (offer-event stream counted)
             (let-go-of-counted-octets counted))
           (progn (refuse-outbox-send stream 1013)
-                 (serve-event-stream-output stream)
+                 (serve-outbox-output stream)
                  nil)))))
 
 (defun close-event-stream (stream)
   "End STREAM, from any thread, once what waits for it has been sent as far
 as its socket takes it now."
   (setf (event-stream-close-requested-p stream) t)
-  (serve-event-stream-output stream))
+  (serve-outbox-output stream))
 
 (defun event-stream-open-p (stream)
   "True until STREAM has ended or been asked to."

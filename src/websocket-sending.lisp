@@ -6,16 +6,6 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defun serve-websocket-output (websocket)
-  "Send what waits for WEBSOCKET now, when its connection is parked: the
-caller takes it, sends, and parks it again, or closes it when it is to
-close.  When another thread holds it, that thread sends before parking."
-  (let ((set (websocket-set websocket))
-        (connection (websocket-connection websocket)))
-    (when (take-parked-connection connection)
-      (unless (eq (park-websocket websocket) t)
-        (close-connection set connection)))))
-
 (defvar *last-message-frame* nil
   "The frame of the last message sent, as (MESSAGE . COUNTED-OCTETS),
 holding it once: a send of the same MESSAGE object, its content unchanged,
@@ -88,7 +78,7 @@ or the memory budget (the client is then closed, with 1008 or 1013)."
         ;; Not for a send dropped because the websocket is closing: parking
         ;; it again would put off the end of its wait for the close.
         (when (or offered (websocket-refusal-code websocket))
-          (serve-websocket-output websocket))
+          (serve-outbox-output websocket))
         offered))))
 
 (defun ws:send-text-message (client message)
@@ -123,7 +113,7 @@ connection ends when the client answers with its own, or after 5 s."
   (let ((websocket (client-websocket client)))
     (when (and websocket (websocket-open-p websocket))
       (setf (websocket-close-requested websocket) (list status reason))
-      (serve-websocket-output websocket))))
+      (serve-outbox-output websocket))))
 
 (defun ws:client-open-p (client)
   "True while CLIENT's websocket is open: messages sent to it are sent."

@@ -30,6 +30,25 @@ client is gone already."
       (forget-tls-errors))
     (ignore-errors (close fd-stream :abort t))))
 
+(defun park-outbox-or-close (set connection)
+  "Send what waits for CONNECTION's websocket or event stream, held by the
+caller, and park it (PARK-WEBSOCKET, PARK-EVENT-STREAM); close it instead
+when that says it is to close."
+  (unless (eq t (let ((websocket (connection-websocket connection)))
+                  (if websocket
+                      (park-websocket websocket)
+                      (park-event-stream (connection-event-stream connection)))))
+    (close-connection set connection)))
+
+(defun serve-outbox-output (outbox)
+  "Send what waits in OUTBOX, a websocket's or an event stream's, now, when
+its connection is parked: the caller takes it, sends, and parks it again,
+or closes it when it is to close.  When another thread holds it, that
+thread sends before parking."
+  (let ((connection (outbox-connection outbox)))
+    (when (take-parked-connection connection)
+      (park-outbox-or-close (outbox-set outbox) connection))))
+
 (defun refuse-and-close (set connection status &key explanation)
   "Answer CONNECTION's request with the error reply for STATUS and close it;
 EXPLANATION, when given, is what its page says instead of what

@@ -77,13 +77,10 @@ what the client has sent since."
 free.  The rest of a reply is sent; for a request, a plain connection is
 looked at, and a TLS one cannot be without reading it, so that it has sent
 anything counts as a request waiting for a worker."
-  (cond ((connection-websocket connection)
-         ;; Its frames are read by a worker; what is sent to it goes now.
-         (unless (eq (park-websocket (connection-websocket connection)) t)
-           (close-connection set connection)))
-        ((connection-event-stream connection)
-         (unless (eq (park-event-stream (connection-event-stream connection)) t)
-           (close-connection set connection)))
+  (cond ((or (connection-websocket connection) (connection-event-stream connection))
+         ;; A websocket's frames are read by a worker; what is sent to it,
+         ;; or to an event stream, goes now.
+         (park-outbox-or-close set connection))
         ((connection-outgoing connection) (resume-reply-while-saturated engine set connection))
         ((or (connection-arriving-body connection) (connection-handshake connection)
              (connection-deferred connection))
