@@ -4,8 +4,10 @@
 ;;;; channels when it ends.  With a bus (*CHANNEL-BUS*, channel-bus.lisp), a
 ;;;; publish also reaches the subscribers of every other process sharing it.
 ;;;;
-;;;; *CHANNELS-LOCK* guards the table; each channel's LOCK its list of
-;;;; subscribers, which a publish copies out before it sends.
+;;;; *CHANNELS-LOCK* guards the table of channels and each one's set of
+;;;; subscribers, so that a channel left empty is removed in the same step
+;;;; as its last subscriber; a publish copies the subscribers out under it
+;;;; and sends outside it.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -15,19 +17,20 @@ fill the default queue of every subscriber at once is a mistake.")
 
 (defstruct (channel (:constructor make-channel (name)))
   (name "" :type string :read-only t)
-  (lock (bt:make-lock "channel") :read-only t)
-  ;; EVENT-STREAMs and WS:WEBSOCKET-CLIENTs.
-  (subscribers '()))
+  ;; The EVENT-STREAMs and WS:WEBSOCKET-CLIENTs subscribed, as keys.
+  (subscribers (make-hash-table :test 'eq) :read-only t))
 
 (defvar *channels* (make-hash-table :test 'equal)
   "Channel name -> CHANNEL, for every channel with a subscriber.")
 
 (defvar *channels-lock* (bt:make-lock "channels"))
 
-(defun find-channel (name create-p)
+(defun channel-subscriber-list (channel-name)
+  "The subscribers of the channel CHANNEL-NAME now, as a fresh list."
   (bt:with-lock-held (*channels-lock*)
-    (or (gethash name *channels*)
-        (and create-p (setf (gethash name *channels*) (make-channel name))))))
+    (let ((channel (gethash channel-name *channels*)))
+      (and channel (loop for subscriber being the hash-keys of (channel-subscribers channel)
+                         collect subscriber)))))
 
 (defun subscriber-open-p (subscriber)
   (if (event-stream-p subscriber)
@@ -36,12 +39,11 @@ fill the default queue of every subscriber at once is a mistake.")
 
 (defun unsubscribe (channel-name subscriber)
   "Take SUBSCRIBER out of the channel CHANNEL-NAME."
-  (let ((channel (find-channel channel-name nil)))
-    (when channel
-      (bt:with-lock-held ((channel-lock channel))
-        (setf (channel-subscribers channel) (remove subscriber (channel-subscribers channel))))
-      (bt:with-lock-held (*channels-lock*)
-        (when (and (null (channel-subscribers channel)) (eq channel (gethash channel-name *channels*)))
+  (bt:with-lock-held (*channels-lock*)
+    (let ((channel (gethash channel-name *channels*)))
+      (when channel
+        (remhash subscriber (channel-subscribers channel))
+        (when (zerop (hash-table-count (channel-subscribers channel)))
           (remhash channel-name *channels*))))))
 
 (defun subscribe (channel-name subscriber)
@@ -50,21 +52,21 @@ is published to the channel named CHANNEL-NAME (a string), until it ends
 or UNSUBSCRIBE.  Returns SUBSCRIBER."
   (check-type channel-name string)
   (check-type subscriber (or event-stream ws:websocket-client))
-  (let ((channel (find-channel channel-name t)))
-    (bt:with-lock-held ((channel-lock channel))
-      (pushnew subscriber (channel-subscribers channel)))
-    (when (event-stream-p subscriber)
-      (add-event-stream-end-hook subscriber (lambda (stream) (unsubscribe channel-name stream))))
-    subscriber))
+  (bt:with-lock-held (*channels-lock*)
+    (setf (gethash subscriber (channel-subscribers (or (gethash channel-name *channels*)
+                                                       (setf (gethash channel-name *channels*)
+                                                             (make-channel channel-name)))))
+          t))
+  (when (event-stream-p subscriber)
+    (add-event-stream-end-hook subscriber (lambda (stream) (unsubscribe channel-name stream))))
+  subscriber)
 
 (defun deliver-published (channel-name message event id)
   "Send MESSAGE to the subscribers of CHANNEL-NAME in this process: an event
 to event streams (with EVENT and ID), a text message to websocket clients.
 The number of subscribers it was sent to; those that have ended are
 dropped."
-  (let* ((channel (find-channel channel-name nil))
-         (subscribers (and channel (bt:with-lock-held ((channel-lock channel))
-                                     (copy-list (channel-subscribers channel)))))
+  (let* ((subscribers (channel-subscriber-list channel-name))
          (counted nil)
          (count 0))
     (unwind-protect

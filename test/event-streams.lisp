@@ -182,7 +182,7 @@ blank line that ends it; NIL at the end of the stream or after TIMEOUT."
           (read-event first-stream)
           (read-event second-stream)
           ;; The websocket subscribes in CLIENT-CONNECTED, after its 101.
-          (is (wait-until (lambda () (= 3 (length (hrt::channel-subscribers (hrt::find-channel "room" t)))))))
+          (is (wait-until (lambda () (= 3 (length (hrt::channel-subscriber-list "room"))))))
           (is (eql 3 (publish "room" "to everyone" :event "news")))
           (is (eql 0 (publish "elsewhere" "to nobody")))
           (is (equal (format nil "event: news~%data: to everyone~%~%") (read-event first-stream)))
@@ -196,7 +196,7 @@ blank line that ends it; NIL at the end of the stream or after TIMEOUT."
       (is (eql 1 (publish "leaving" "one"))))
     (is (wait-until (lambda () (eql 0 (stats server :open-event-streams)))))
     (is (eql 0 (publish "leaving" "none")))
-    (is (null (hrt::find-channel "leaving" nil)))))
+    (is (null (gethash "leaving" hrt::*channels*)))))
 
 (test event-stream.over-tls
   (with-server (server (tls-server))
