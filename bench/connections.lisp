@@ -67,6 +67,15 @@ BUFFER doubled first when it is full: the buffer, and the count received,
 (defun reply-status (buffer)
   (parse-integer (map 'string #'code-char (subseq buffer 9 12)) :junk-allowed t))
 
+(defun take-reply-head (buffer fill)
+  "When a reply's head ends among the first FILL octets of BUFFER: its
+status, and the octets that followed it, moved to BUFFER's start; else NIL."
+  (let ((head-end (search #(13 10 13 10) buffer :end2 fill)))
+    (when head-end
+      (let ((status (reply-status buffer)))
+        (replace buffer buffer :start2 (+ head-end 4) :end2 fill)
+        (values status (- fill head-end 4))))))
+
 ;;; The load.
 
 (defun open-load-client (port epoll-fd index tally mode)

@@ -73,13 +73,12 @@ Content-Length (a /wait) is noted whole once its head is in."
           ((or (eq count :error) (eql count 0)) (close-event-client client))
           (t (incf (ec-fill client) count)
              (when (eq (ec-state client) :head)
-               (let ((head-end (search #(13 10 13 10) (ec-buffer client) :end2 (ec-fill client))))
-                 (when head-end
-                   (setf (ec-status client) (reply-status (ec-buffer client))
+               (multiple-value-bind (status fill) (take-reply-head (ec-buffer client) (ec-fill client))
+                 (when status
+                   (setf (ec-status client) status
+                         (ec-fill client) fill
                          (ec-state client) :open
-                         (ec-last-at client) (precise-milliseconds))
-                   (replace (ec-buffer client) (ec-buffer client) :start2 (+ head-end 4) :end2 (ec-fill client))
-                   (decf (ec-fill client) (+ head-end 4)))))
+                         (ec-last-at client) (precise-milliseconds)))))
              (when (eq (ec-state client) :open)
                (take-events client))))))
 

@@ -164,14 +164,11 @@ sequence it sent; a broadcast is noted with its time."
           ((or (eq count :error) (eql count 0)) (close-websocket-client client))
           (t (incf (wsc-fill client) count)
              (when (eq (wsc-state client) :handshake)
-               (let ((head-end (search #(13 10 13 10) (wsc-buffer client) :end2 (wsc-fill client))))
-                 (when head-end
-                   (if (eql 101 (reply-status (wsc-buffer client)))
-                       (progn (setf (wsc-state client) :open)
-                              (replace (wsc-buffer client) (wsc-buffer client) :start2 (+ head-end 4)
-                                                                                :end2 (wsc-fill client))
-                              (decf (wsc-fill client) (+ head-end 4)))
-                       (close-websocket-client client)))))
+               (multiple-value-bind (status fill) (take-reply-head (wsc-buffer client) (wsc-fill client))
+                 (cond ((null status))
+                       ((eql 101 status) (setf (wsc-state client) :open
+                                               (wsc-fill client) fill))
+                       (t (close-websocket-client client)))))
              (when (eq (wsc-state client) :open)
                (take-frames client))))))
 
