@@ -18,6 +18,8 @@
 # make bench-threaded-floor  the 1 ms handler cells for a bare server of 100 threads, ours and nginx: what threads can do here
 # make bench-scheduling  the handler cells for ours with its workers under SCHED_OTHER and under SCHED_BATCH
 # make bench-events      3,000 and 10,000 event streams, 2,000 deferred replies, a subscriber that reads nothing, two processes over PostgreSQL
+# make bench-per-core   each server pinned to one processor, wrk to the other: requests/s and the server's
+#                        processor time a request, ours, nginx and Woo with one worker, the threaded floor
 # make bench-waits       the 1 ms handler cells: ours sleeping, ours deferring its reply to its timer, nginx's echo_sleep
 # Each target installs the Debian packages it needs first (make deps).
 
@@ -38,7 +40,7 @@ BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox pr
                  libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \
                  cl-trivial-gray-streams cl-alexandria cl-global-vars cl-trivial-garbage
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-applications bench-https bench-websockets bench-threaded-floor bench-scheduling bench-waits bench-events
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-applications bench-https bench-websockets bench-threaded-floor bench-scheduling bench-waits bench-events bench-per-core
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -114,3 +116,6 @@ bench-waits: bench-deps
 
 bench-events: bench-deps
 	bench/run events
+
+bench-per-core: bench-deps
+	bench/run per-core

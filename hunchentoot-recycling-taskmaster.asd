@@ -19,8 +19,9 @@ bytes, with acceptors that use it by default."
                                                 (:file "sbcl-epoll")
                                                 (:file "sbcl-sockets")
                                                 (:file "sbcl-files")
-                                                (:file "proc-stat")
                                                 (:file "sbcl-clock")
+                                                (:file "processors")
+                                                (:file "processor-time")
                                                 (:file "sbcl-deadlines")
                                                 (:file "sbcl-random")
                                                 (:file "sbcl-mop")))
@@ -141,6 +142,7 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (:file "support")
                (:file "http-behaviour")
                (:file "pool")
+               (:file "processors")
                (:file "overload")
                (:file "request-head")
                (:file "readiness-set")
@@ -216,7 +218,8 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "websockets")
                (:file "threaded-floor")
                (:file "scheduling")
-               (:file "events")))
+               (:file "events")
+               (:file "per-core")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
   :author "The hunchentoot-recycling-taskmaster authors"

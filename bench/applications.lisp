@@ -235,7 +235,8 @@ measure *WOO-CELLS*, stop it.  An alist as MEASURE-APPLICATIONS's."
         (page-file (merge-pathnames "page.html" directory)))
     (with-open-file (out page-file :direction :output :if-exists :supersede)
       (write-string *page* out))
-    (let ((process (launch-peer woo port 0 (namestring (merge-pathnames "applications-woo.log" directory)) page-file)))
+    (let ((process (launch-peer woo port 0 (namestring (merge-pathnames "applications-woo.log" directory))
+                              :page-file page-file)))
       (unwind-protect
            (progn
              (unless (wait-until-serving port)

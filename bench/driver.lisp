@@ -84,10 +84,22 @@ same octets for every server.  Its native name, ending with a slash."
   "Debian's nginx echo module (libnginx-mod-http-echo), whose echo_sleep
 makes the 1 ms workloads' handler wait as the Lisp servers' does.")
 
-(defun nginx-config-opening (directory)
-  "The start of every nginx.conf of the bench: 2 workers, no access log,
-its files in DIRECTORY, up to the servers of its http block."
-  (format nil "worker_processes 2;
+(defvar *server-processors* nil
+  "The processors each server process runs on, as taskset(1)'s list (say
+\"0\"), or NIL for any: the per-core table (bench/per-core.lisp) pins the
+servers to one processor and wrk to another.")
+
+(defun pinned-command (command)
+  "COMMAND, a list of program and arguments, run on *SERVER-PROCESSORS*
+when they are named."
+  (if *server-processors*
+      (list* "taskset" "-c" *server-processors* command)
+      command))
+
+(defun nginx-config-opening (directory &key (workers 2))
+  "The start of every nginx.conf of the bench: WORKERS worker processes, no
+access log, its files in DIRECTORY, up to the servers of its http block."
+  (format nil "worker_processes ~D;
 daemon off;
 master_process on;
 pid ~Anginx.pid;
@@ -101,10 +113,10 @@ http {
   fastcgi_temp_path ~A;
   uwsgi_temp_path ~A;
   scgi_temp_path ~A;
-" directory directory directory directory directory directory directory))
+" workers directory directory directory directory directory directory directory))
 
-(defun nginx-config (directory port &key upstream-ports (delay-ms 0))
-  "nginx.conf for 2 workers on PORT, its files in DIRECTORY: answering /yo
+(defun nginx-config (directory port &key upstream-ports (delay-ms 0) (workers 2))
+  "nginx.conf for WORKERS workers on PORT, its files in DIRECTORY: answering /yo
 itself (after an echo_sleep of DELAY-MS when it is not 0), or, given
 UPSTREAM-PORTS, proxying to them as README's configuration does (kept-alive
 upstream connections, closed before our keep-alive timeout)."
@@ -124,7 +136,7 @@ upstream connections, closed before our keep-alive timeout)."
     }
   }~]
 }
-" (plusp delay-ms) *nginx-echo-module* (nginx-config-opening directory)
+" (plusp delay-ms) *nginx-echo-module* (nginx-config-opening directory :workers workers)
           upstream-ports (or upstream-ports port)
           (if upstream-ports port (and (plusp delay-ms) (format nil "~,3F" (/ delay-ms 1000))))
           (if upstream-ports port *static-folder*)))
@@ -138,34 +150,38 @@ returns given that directory's name; its process-info."
          (config (concatenate 'string directory "nginx.conf")))
     (with-open-file (out config :direction :output)
       (write-string (funcall make-config directory) out))
-    (uiop:launch-program (list "nginx" "-c" config "-p" directory "-e" (concatenate 'string directory "error.log"))
+    (uiop:launch-program (pinned-command (list "nginx" "-c" config "-p" directory
+                                               "-e" (concatenate 'string directory "error.log")))
                          :output log-file :error-output :output :if-output-exists :supersede)))
 
-(defun launch-nginx (port &key upstream-ports (log-file nil) (delay-ms 0))
+(defun launch-nginx (port &key upstream-ports (log-file nil) (delay-ms 0) (workers 2))
   "Start nginx on PORT (see NGINX-CONFIG); its process-info."
   (launch-nginx-with (lambda (directory)
-                       (nginx-config directory port :upstream-ports upstream-ports :delay-ms delay-ms))
+                       (nginx-config directory port :upstream-ports upstream-ports :delay-ms delay-ms
+                                                    :workers workers))
                      log-file))
 
 (defun launch-server (server port delay-ms core log-file &key ssl-port ssl-certificate ssl-key)
   "Start SERVER in a process of its own, from its own :CORE if it has one,
-else from CORE; its process-info.  SSL-PORT, SSL-CERTIFICATE and SSL-KEY go
-to SERVE (ours only)."
+else from CORE, on *SERVER-PROCESSORS*; its process-info.  nginx and Woo
+run the server's :WORKERS worker processes or threads (2 unless it says).
+SSL-PORT, SSL-CERTIFICATE and SSL-KEY go to SERVE (ours only)."
   (cond
     ((getf server :nginx)
-     (launch-nginx port :log-file log-file :delay-ms delay-ms))
+     (launch-nginx port :log-file log-file :delay-ms delay-ms :workers (getf server :workers 2)))
     ((getf server :peer)
-     (launch-peer server port delay-ms log-file))
+     (launch-peer server port delay-ms log-file :workers (getf server :workers)))
     ((getf server :launch)
      (funcall (getf server :launch) port delay-ms core log-file))
     (t
      (uiop:launch-program
-      (list "sbcl" "--core" (or (getf server :core) core) "--noinform" "--non-interactive" "--disable-debugger"
-            "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve ~S ~D :delay-ms ~D :static-folder ~S~
-                                    ~@[ :ssl-port ~D~]~@[ :ssl-certificate ~S~]~@[ :ssl-key ~S~]~{ ~S~})"
-                             (getf server :lisp) port delay-ms *static-folder*
-                             ssl-port (and ssl-certificate (namestring ssl-certificate))
-                             (and ssl-key (namestring ssl-key)) (getf server :serve-options)))
+      (pinned-command
+       (list "sbcl" "--core" (or (getf server :core) core) "--noinform" "--non-interactive" "--disable-debugger"
+             "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve ~S ~D :delay-ms ~D :static-folder ~S~
+                                     ~@[ :ssl-port ~D~]~@[ :ssl-certificate ~S~]~@[ :ssl-key ~S~]~{ ~S~})"
+                              (getf server :lisp) port delay-ms *static-folder*
+                              ssl-port (and ssl-certificate (namestring ssl-certificate))
+                              (and ssl-key (namestring ssl-key)) (getf server :serve-options))))
       :output log-file :error-output :output :if-output-exists :supersede))))
 
 (defun stop-server (process)

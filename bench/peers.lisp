@@ -83,12 +83,14 @@ NIL (said) when it does not build; its log is DIRECTORY/<name>-build.log."
         (progn (format t "~&~A did not build: see ~A~%" (getf peer :label) log)
                nil))))
 
-(defun launch-peer (peer port delay-ms log-file &optional page-file)
-  "Start PEER (built by BUILD-PEER-CORE) on PORT, with the application
-cells' PAGE-FILE when given (Woo's only); its process-info."
-  (uiop:launch-program (list "sbcl" "--core" (getf peer :core) "--noinform" "--non-interactive" "--disable-debugger"
-                             "--eval" (format nil "(bench-peer:serve ~D ~D~@[ ~S~])" port delay-ms
-                                              (and page-file (namestring page-file))))
+(defun launch-peer (peer port delay-ms log-file &key page-file workers)
+  "Start PEER (built by BUILD-PEER-CORE) on PORT on *SERVER-PROCESSORS*,
+with WORKERS worker threads and the application cells' PAGE-FILE when
+given (Woo's only: it serves with 2 workers unless told); its process-info."
+  (uiop:launch-program (pinned-command
+                        (list "sbcl" "--core" (getf peer :core) "--noinform" "--non-interactive" "--disable-debugger"
+                              "--eval" (format nil "(bench-peer:serve ~D ~D~@[ :workers ~D~]~@[ :page-file ~S~])"
+                                               port delay-ms workers (and page-file (namestring page-file)))))
                        :environment (peer-environment peer)
                        :output log-file :error-output :output :if-output-exists :supersede))
 

@@ -73,11 +73,13 @@ sleeping DELAY-MS, until killed."
 ;;; Measured beside ours and nginx.
 
 (defun launch-threaded-floor (port delay-ms core log-file)
-  "Start the threaded floor from CORE in a process of its own; its process-info."
+  "Start the threaded floor from CORE in a process of its own, on
+*SERVER-PROCESSORS*; its process-info."
   (uiop:launch-program
-   (list "sbcl" "--core" core "--noinform" "--non-interactive" "--disable-debugger"
-         "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench::serve-threaded-floor ~D :delay-ms ~D)"
-                          port delay-ms))
+   (pinned-command
+    (list "sbcl" "--core" core "--noinform" "--non-interactive" "--disable-debugger"
+          "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench::serve-threaded-floor ~D :delay-ms ~D)"
+                           port delay-ms)))
    :output log-file :error-output :output :if-output-exists :supersede))
 
 (defparameter *threaded-floor-server*

@@ -27,6 +27,12 @@
                  (acceptor-own-listen-socket acceptor) (acceptor-listen-socket acceptor)))
           (t (call-next-method)
              (setf (acceptor-own-listen-socket acceptor) (acceptor-listen-socket acceptor)))))
+  ;; Nagle's algorithm would hold a reply written in several pieces (TLS
+  ;; records, a SEND-HEADERS stream) or the replies to pipelined requests
+  ;; after the first until the client's delayed acknowledgement, 40 ms
+  ;; later.  Set on the listening socket, every connection inherits it,
+  ;; without a system call of its own.
+  (send-small-writes-at-once (socket-file-descriptor (acceptor-listen-socket acceptor)))
   (when (acceptor-defer-accept-p acceptor)
     ;; Where the kernel refuses it, connections are handed over at once,
     ;; as without it: nothing else changes.

@@ -232,3 +232,14 @@ handing its socket to each new process does."))
           (is (eql 200 (unwind-protect (get-yo-on-new-connection port)
                          (ht:stop serving :soft t)))
               "the socket still listens after the last soft stop"))))))
+
+(test listening.connections-inherit-tcp-nodelay
+  ;; Nagle's algorithm would hold the replies to pipelined requests after
+  ;; the first for the client's delayed acknowledgement, 40 ms.
+  (dolist (initargs '(() (:reuse-port t)))
+    (with-server (server (apply #'make-server 'parallel-easy-acceptor initargs))
+      (is (eql 1 (hunchentoot-recycling-taskmaster::socket-option
+                  (listening-fd (hunchentoot-recycling-taskmaster::acceptor-listen-socket server))
+                  hunchentoot-recycling-taskmaster::+tcp-nodelay+
+                  hunchentoot-recycling-taskmaster::+ipproto-tcp+))
+          "TCP_NODELAY on the listening socket~@[ ~S~]" initargs))))

@@ -435,7 +435,7 @@ DEADLINE (internal real time) passes.  Counts the 200 replies."
   "An idle gauge whose last reading was IDLE-TICKS-SINCE idle ticks and
 TOTAL-TICKS-SINCE ticks in all before now, read again for a pool of
 THREAD-COUNT workers."
-  (let ((gauge (hunchentoot-recycling-taskmaster::make-idle-gauge)))
+  (let ((gauge (hunchentoot-recycling-taskmaster::make-idle-gauge (hunchentoot-recycling-taskmaster::processor-limit))))
     (unwind-protect
          (multiple-value-bind (idle total) (hunchentoot-recycling-taskmaster::read-processor-ticks (hunchentoot-recycling-taskmaster::idle-gauge-ticks gauge))
            (setf (hunchentoot-recycling-taskmaster::idle-gauge-read-at gauge)
@@ -447,7 +447,7 @@ THREAD-COUNT workers."
       (hunchentoot-recycling-taskmaster::close-idle-gauge gauge))))
 
 (test growth.budget-is-the-idle-share-of-the-pool
-  (let ((gauge (hunchentoot-recycling-taskmaster::make-idle-gauge)))
+  (let ((gauge (hunchentoot-recycling-taskmaster::make-idle-gauge (hunchentoot-recycling-taskmaster::processor-limit))))
     (unwind-protect
          ;; Twice through one descriptor: each reading starts at the file's start.
          (loop repeat 2

@@ -62,6 +62,26 @@ headers, method, URI, protocol; or the status code alone."
                                     octets (append parts (list nil head))))))
           (is (equal (parse nil) (parse reused)) "~S" (first lines)))))))
 
+(test head.a-host-named-again-is-the-same-string
+  ;; A reused head gives the next request naming the same host the same
+  ;; string, and a new string for another host.
+  (let ((reused (hunchentoot-recycling-taskmaster::make-request-head)))
+    (flet ((host (host)
+             (let ((octets (head-octets "GET / HTTP/1.1" (format nil "Host: ~A" host) "")))
+               (destructuring-bind (status start line-end head-end) (scan-head octets)
+                 (declare (ignore status))
+                 (cdr (assoc :host (hunchentoot-recycling-taskmaster::request-head-headers
+                                    (hunchentoot-recycling-taskmaster::parse-request-head
+                                     octets start line-end head-end nil reused))))))))
+      (let* ((first (host "example.org"))
+             (again (host "example.org"))
+             (other (host "example.net"))
+             (longer (host "example.org:8080")))
+        (is (eq first again))
+        (is (equal "example.net" other))
+        (is (equal "example.org:8080" longer))
+        (is (not (eq longer first)))))))
+
 (test head.every-proper-prefix-is-incomplete
   (let ((octets (head-octets "GET / HTTP/1.1" "Host: x" "")))
     (is (loop for end from 0 below (length octets)

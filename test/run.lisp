@@ -2,7 +2,7 @@
 ;;;; its own (test/run-compatibility.lisp; it says what it needs when the
 ;;;; libraries it loads are missing).  Ends with the line "N passed, M
 ;;;; failed" for both; exit 0 only when none failed.
-;;;; SUITE in the environment names one suite instead (http, pool, overload,
+;;;; SUITE in the environment names one suite instead (http, pool, processors, overload,
 ;;;; request-head, readiness, saturation, bodies, replies, listening, metrics,
 ;;;; garbage-input, extension-points, mixin-order, stop, slow-clients,
 ;;;; tls-handshakes, descriptor-limit, house, or compatibility alone).

@@ -99,6 +99,15 @@ they name counts on untouched."
   (with-server (server (make-server 'parallel-easy-acceptor))
     (check-cookies-that-name-a-session-wrongly server)))
 
+(test sessions.cookie-value-parsed-as-hunchentoot-makes-it
+  (dolist (id (list 1 123456789012345678 1234567890123456789 (1- (expt 2 128)) (expt 10 39)))
+    (let ((cookie (format nil "~D:0123456789abcdefABCDEF0123456789" id)))
+      (is (equal (list id "0123456789abcdefABCDEF0123456789")
+                 (multiple-value-list (hrt::parse-session-identifier cookie)))
+          "~A" cookie)))
+  (dolist (forged (list "12:" ":ab" "1:2:3" "1:xyz" "1 :ab" (format nil "~D:ab" (expt 10 40)) "١:ab"))
+    (is (null (hrt::parse-session-identifier forged)) "~S" forged)))
+
 (test sessions.ids-are-128-random-bits
   (with-server (server (make-server 'parallel-easy-acceptor))
     (let ((ids (loop repeat 4 collect (parse-integer (nth-value 1 (http-get server "/test/session-id"))))))

@@ -1,6 +1,7 @@
 ;;;; Woo as a benchmark peer (bench/driver.lisp's *PEERS*): loaded from
 ;;;; ../shared/vendor into an SBCL of its own, its core saved once per run,
-;;;; and served with 2 workers, as Woo's own benchmark runs it.  GET /yo
+;;;; and served with 2 workers, as Woo's own benchmark runs it (1 in the
+;;;; per-core table).  GET /yo
 ;;;; answers 200 text/plain "Hey!", after sleeping DELAY-MS when it is not 0;
 ;;;; GET /app/page the application cells' HTML page, when given its file.
 
@@ -10,8 +11,8 @@
 
 (in-package #:bench-peer)
 
-(defun serve (port delay-ms &optional page-file)
-  "Serve GET /yo on 127.0.0.1:PORT until killed; with PAGE-FILE, GET
+(defun serve (port delay-ms &key page-file (workers 2))
+  "Serve GET /yo on 127.0.0.1:PORT with WORKERS workers until killed; with PAGE-FILE, GET
 /app/page answers that file's text as text/html, read once here, as the
 application cells' page handler answers its page."
   (let ((delay (and (plusp delay-ms) (/ delay-ms 1000)))
@@ -22,4 +23,4 @@ application cells' page handler answers its page."
                (if (and page (equal (getf environment :path-info) "/app/page"))
                    `(200 (:content-type "text/html") (,page))
                    '(200 (:content-type "text/plain") ("Hey!"))))
-             :port port :address "127.0.0.1" :worker-num 2 :debug nil)))
+             :port port :address "127.0.0.1" :worker-num workers :debug nil)))

@@ -17,7 +17,8 @@
 ;;;; its 8 standby workers than grown to 100).  Handlers that wait -- on a
 ;;;; timer, a client, a database -- leave processors idle, and then more
 ;;;; workers answer more.  So a thread is made while there is work no
-;;;; worker has taken and the machine's processors were idle for part of
+;;;; worker has taken and the processors the process may use
+;;;; (sys/processors.lisp: its affinity mask, its cgroup's quota) were idle for part of
 ;;;; the last moment, by at most the idle share of the pool's size until it
 ;;;; is measured again; growth declines otherwise, and looks again at
 ;;;; growing intervals while no worker waits, since a pool whose every
@@ -51,16 +52,17 @@ the kernel counts it in ticks of 10 ms.")
   "The share of the processors' time that must have been idle for the pool
 to grow.")
 
-(defstruct (idle-gauge (:constructor make-idle-gauge ()))
-  "The processors' idle share, measured by the thread-making thread only."
-  ;; Where the machine's processor time is read (sys/proc-stat.lisp).
-  (ticks (make-processor-ticks) :read-only t)
+(defstruct (idle-gauge (:constructor make-idle-gauge (limit &aux (ticks (make-processor-ticks limit)))))
+  "The idle share of the processors LIMIT allows the process, measured by
+the thread-making thread only."
+  ;; Where their processor time is read (sys/processor-time.lisp).
+  (ticks nil :type processor-ticks :read-only t)
   ;; Internal real time of the last reading, and its ticks.
   (read-at nil)
   (idle-ticks 0)
   (total-ticks 0)
   ;; Idle ticks over all ticks between the last two readings at least
-  ;; +IDLE-SAMPLE-SECONDS+ apart; NIL when /proc/stat cannot be read.
+  ;; +IDLE-SAMPLE-SECONDS+ apart; NIL when the time cannot be read.
   (idle-share nil)
   ;; Workers the pool may still add before the next reading.
   (growth-budget 0))
@@ -98,7 +100,7 @@ bound while the share is measured again."
   "True when the processors' idle time leaves room for one more worker (or
 cannot be read), which is then counted against it."
   (let ((gauge (or (pool-idle-gauge taskmaster)
-                   (setf (pool-idle-gauge taskmaster) (make-idle-gauge)))))
+                   (setf (pool-idle-gauge taskmaster) (make-idle-gauge (pool-processor-limit taskmaster))))))
     (refresh-idle-gauge gauge (pool-thread-count taskmaster))
     (cond ((null (idle-gauge-idle-share gauge)) t)
           ((plusp (idle-gauge-growth-budget gauge))

@@ -45,13 +45,14 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defun default-max-waiting-thread-count ()
-  "One more than the processors online, and 2 at least: a waiting worker for
+(defun default-max-waiting-thread-count (processor-count)
+  "One more than PROCESSOR-COUNT, the processors the process may use, and 2
+at least: a waiting worker for
 each processor, and one for the processor whose worker has just entered a
 handler; any more, and a connection's bytes often wake a thread that was
 asleep, when a worker already running would have taken them a moment later
 (bench/profiles/2026-11-24-waiting-workers.txt)."
-  (max 2 (1+ (online-processor-count))))
+  (max 2 (1+ processor-count)))
 
 (defvar *default-standby-thread-count* 8
   "The STANDBY-THREAD-COUNT of a RECYCLING-TASKMASTER made without one: how
@@ -110,7 +111,8 @@ past this count rest on a condition variable of the pool, and growth
 whose last request took a millisecond or more waits on the engine whatever
 the count: handlers that wait need workers in circulation.  One back from a
 new connection waits only while fewer than this count less one wait
-(JOIN-WAITING).")
+(JOIN-WAITING).  Unless given, one more than the processors the process may
+use (DEFAULT-MAX-WAITING-THREAD-COUNT).")
    (max-accept-count
     :initarg :max-accept-count
     :reader hunchentoot:taskmaster-max-accept-count
@@ -183,6 +185,10 @@ the thread-making thread does not weigh growth again.")
    (growth-weighing-interval :initform 0 :accessor growth-weighing-interval
                              :documentation "Seconds from one weighing of growth
 to the next: none after the pool grew, doubling while growth is declined.")
+   (processor-limit :initform (processor-limit) :reader pool-processor-limit
+                    :documentation "The processors the process may use, read when the
+taskmaster is made (sys/processors.lisp): they size the waiting workers
+and bound growth.")
    (idle-gauge :initform nil :accessor pool-idle-gauge
                :documentation "The IDLE-GAUGE growth is weighed by, made at the
 first weighing; the thread-making thread's only.")
@@ -205,7 +211,6 @@ grow while every processor already had a worker running, and did not.")
   (:default-initargs
    :standby-thread-count *default-standby-thread-count*
    :max-thread-count (default-max-thread-count)
-   :max-waiting-thread-count (default-max-waiting-thread-count)
    :max-accept-count (default-max-accept-count)
    :thread-idle-timeout 1
    :stop-timeout 10
@@ -232,7 +237,12 @@ seconds without work.  Needs a PARALLEL-ACCEPTOR."))
            :reason (format nil "must be an integer of at least ~D~:[~; or NIL~]"
                            minimum null-allowed))))
 
-(defmethod initialize-instance :after ((taskmaster recycling-taskmaster) &key)
+(defmethod initialize-instance :after ((taskmaster recycling-taskmaster)
+                                       &key (max-waiting-thread-count nil max-waiting-thread-count-p))
+  (declare (ignore max-waiting-thread-count))
+  (unless max-waiting-thread-count-p
+    (setf (slot-value taskmaster 'max-waiting-thread-count)
+          (default-max-waiting-thread-count (processor-limit-count (pool-processor-limit taskmaster)))))
   (let ((standby (taskmaster-standby-thread-count taskmaster))
         (max-threads (hunchentoot:taskmaster-max-thread-count taskmaster)))
     ;; One standby worker at least: growth starts when a waiting worker is
@@ -297,8 +307,10 @@ descriptors, and a worker must not die of a message it cannot write."
   (+ (get-internal-real-time) (seconds->internal-units seconds)))
 
 (defun seconds-until (deadline)
-  "Seconds from now until DEADLINE (internal real time), never negative."
-  (max 0 (/ (- deadline (get-internal-real-time)) internal-time-units-per-second)))
+  "Seconds from now until DEADLINE (internal real time), never negative: a
+single float, which SBCL keeps in a register where a ratio is consed each
+time a worker rests."
+  (max 0f0 (/ (float (- deadline (get-internal-real-time)) 0f0) internal-time-units-per-second)))
 
 (defun wait-for-pool (taskmaster predicate deadline)
   "Wait on POOL-CHANGED, holding POOL-LOCK, until PREDICATE is true or

@@ -37,7 +37,8 @@ given) of FD."
             fd level option (sb-alien:addr option-value) 4))))
 
 (defun send-small-writes-at-once (fd)
-  "Set TCP_NODELAY on the connected socket FD.  True when it took."
+  "Set TCP_NODELAY on the socket FD: a connected one, or a listening one,
+whose connections inherit it (Linux).  True when it took."
   (set-integer-socket-option fd +ipproto-tcp+ +tcp-nodelay+ 1))
 
 (defun defer-accepting-until-data (fd seconds)

@@ -38,11 +38,6 @@ addresses, or NIL."
     (rearm-listen-socket set)
     (when fd
       (atomic-increment (connection-counters-accepted (readiness-set-counters set)))
-      (when (typep (engine-acceptor engine) 'hunchentoot:ssl-acceptor)
-        ;; TLS writes a reply as several records; Nagle's algorithm would
-        ;; hold the last one until the client's delayed acknowledgement of
-        ;; the first, 40 ms later.
-        (send-small-writes-at-once fd))
       (let ((connection (add-connection set fd (make-connection-fd-stream
                                                 fd (hunchentoot:acceptor-read-timeout (engine-acceptor engine))))))
         (setf (connection-head-started connection) (get-internal-real-time)

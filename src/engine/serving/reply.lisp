@@ -214,7 +214,7 @@ SEND-RESPONSE does.  Returns the REPLY-HEAD."
     (let ((headers (hunchentoot:headers-out reply)))
       (unless (typep reply 'parallel-reply)
         (refuse-unsafe-header-values reply))
-      (hunchentoot:acceptor-log-access hunchentoot:*acceptor* :return-code return-code)
+      (log-access return-code)
       ;; Hunchentoot reads what is left of the body here; a request without
       ;; one leaves nothing to read, and asking cost a percent of a request.
       (when (request-has-body-p (hunchentoot:headers-in request))
@@ -283,7 +283,7 @@ connection becomes something else.  Logged as any reply."
     (let ((headers (hunchentoot:headers-out reply)))
       (unless (typep reply 'parallel-reply)
         (refuse-unsafe-header-values reply))
-      (hunchentoot:acceptor-log-access hunchentoot:*acceptor* :return-code return-code)
+      (log-access return-code)
       (push-reply-head return-code headers head omitted))
     (write-sequence (reply-head-octets head) stream :end (reply-head-end head))
     (finish-output stream)))
