@@ -166,6 +166,31 @@ checks or swaps that stream between requests sees them."))
   (is (hrt::plain-streams-reset-p (make-instance 'reset-counting-parallel-acceptor))
       "another method is called"))
 
+(defclass access-logging-parallel-acceptor (parallel-easy-acceptor) ()
+  (:documentation "An acceptor on which a test defines an access log method while it serves."))
+
+(defvar *access-log-calls* 0)
+
+(test logging.access-log-method-defined-while-serving-is-called
+  ;; With no destination, the access log call is left out while only
+  ;; Hunchentoot's method would answer it; a method defined at the REPL on
+  ;; a running server is called from its next request on.
+  (with-server (server (make-server 'access-logging-parallel-acceptor))
+    (setf *access-log-calls* 0)
+    (is (eql 200 (http-get server "/test/yo")))
+    (let ((method (eval '(defmethod ht:acceptor-log-access :after ((acceptor access-logging-parallel-acceptor)
+                                                                   &key return-code)
+                          (when (eql return-code 200)
+                            (incf *access-log-calls*))))))
+      (unwind-protect
+           (progn
+             (is (eql 200 (http-get server "/test/yo")))
+             (is (wait-until (lambda () (eql 1 *access-log-calls*)) :timeout 5)
+                 "~D calls after one request" *access-log-calls*))
+        (remove-method #'ht:acceptor-log-access method))
+      (is (eql 200 (http-get server "/test/yo")))
+      (is (eql 1 *access-log-calls*) "removed, the method is not called"))))
+
 (ht:define-easy-handler (test-warn :uri "/test/warn") ()
   (warn "A warning from a handler, on purpose.")
   "warned")

@@ -59,7 +59,6 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
                    :buffer (make-array (head-buffer-bytes acceptor) :element-type '(unsigned-byte 8))
                    :constructors (engine-object-constructors engine)
                    :plain-streams-reset-p (engine-plain-streams-reset-p engine)
-                   :default-access-log-p (default-access-log-p acceptor)
                    :keep-alive-header-value (format nil "timeout=~D" (floor (acceptor-keep-alive-timeout acceptor)))
                    :server-header-value (acceptor-server-name acceptor)
                    :counter-stripe (mod (atomic-increment (readiness-set-counting-workers set))

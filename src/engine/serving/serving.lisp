@@ -47,8 +47,6 @@
   (reply-sent-p nil)
   ;; The engine's PLAIN-STREAMS-RESET-P of this run.
   (plain-streams-reset-p t :read-only t)
-  ;; The acceptor's DEFAULT-ACCESS-LOG-P.
-  (default-access-log-p nil :read-only t)
   ;; The DEFERRED-REPLY the handler of the request being answered made
   ;; (DEFER-REPLY), or NIL.
   (deferred nil)
@@ -82,23 +80,38 @@ the client made for it."
 pipelined requests."
   (max 32768 (+ +max-request-line-bytes+ (acceptor-max-header-bytes acceptor) 1024)))
 
+(sb-ext:defglobal **access-log-chain** nil
+  "The last answer of DEFAULT-ACCESS-LOG-P: a list of
+HUNCHENTOOT:ACCEPTOR-LOG-ACCESS's methods list, the acceptor's class and
+the answer for them.")
+
 (defun default-access-log-p (acceptor)
   "True when the only HUNCHENTOOT:ACCEPTOR-LOG-ACCESS methods for ACCEPTOR
 are Hunchentoot's, which writes nothing while the access log destination is
-NIL, and this library's :AROUND (LOG-ACCESS)."
-  (equal (applicable-methods #'hunchentoot:acceptor-log-access (class-of acceptor))
-         (list (find-method #'hunchentoot:acceptor-log-access '(:around) (list (find-class 'parallel-acceptor)))
-               (find-method #'hunchentoot:acceptor-log-access '() (list (find-class 'hunchentoot:acceptor))))))
+NIL, and this library's :AROUND.  Asked again only when a method is added
+or removed, or for another class: a method defined at the REPL on a running
+server is called from its next request on, as on Hunchentoot's acceptor."
+  (let* ((generic-function #'hunchentoot:acceptor-log-access)
+         (methods (generic-function-methods-list generic-function))
+         (class (class-of acceptor))
+         (last **access-log-chain**))
+    (if (and last (eq (first last) methods) (eq (second last) class))
+        (third last)
+        (let ((answer (equal (applicable-methods generic-function class)
+                             (list (find-method generic-function '(:around) (list (find-class 'parallel-acceptor)))
+                                   (find-method generic-function '() (list (find-class 'hunchentoot:acceptor)))))))
+          (setf **access-log-chain** (list methods class answer))
+          answer))))
 
 (defun log-access (return-code)
   "Write the access log entry of the reply RETURN-CODE through
 HUNCHENTOOT:ACCEPTOR-LOG-ACCESS, unless that would write nothing: the
-acceptor logs access as Hunchentoot does (DEFAULT-ACCESS-LOG-P) to no
-destination.  The call would cons its keyword arguments for nothing, 32
-bytes a request (bench/profiles/2026-11-28-per-core.txt)."
+acceptor's destination is NIL and it logs access as Hunchentoot does
+(DEFAULT-ACCESS-LOG-P).  The call would cons its keyword arguments for
+nothing, 32 bytes a request (bench/profiles/2026-11-28-per-core.txt)."
   (let ((acceptor hunchentoot:*acceptor*))
-    (unless (and *serving* (serving-default-access-log-p *serving*)
-                 (null (hunchentoot:acceptor-access-log-destination acceptor)))
+    (unless (and (null (hunchentoot:acceptor-access-log-destination acceptor))
+                 (default-access-log-p acceptor))
       (hunchentoot:acceptor-log-access acceptor :return-code return-code))))
 
 (defun plain-streams-reset-p (acceptor)
