@@ -55,6 +55,7 @@ bytes, with acceptors that use it by default."
                                                    (:file "chunk-framing")
                                                    (:file "chunked-body")
                                                    (:file "cookie-header")
+                                                   (:file "session-cookie")
                                                    (:file "request-object")
                                                    (:file "reply-head")))
                (:module "engine/websocket" :serial t :components ((:file "utf-8")
