@@ -48,10 +48,8 @@ CONTROLLERS a list of strings, empty for cgroup v2's line."
           collect (cons (cl-ppcre:split "," controllers) path)))
 
 (defun read-small-file (namestring)
-  "The text of the small file NAMESTRING, or NIL when it cannot be read."
-  (ignore-errors (with-open-file (in namestring :external-format :latin-1)
-                   (let ((text (make-string 4096)))
-                     (subseq text 0 (read-sequence text in))))))
+  "The text of the file NAMESTRING, or NIL when it cannot be read."
+  (ignore-errors (uiop:read-file-string namestring :external-format :latin-1)))
 
 (defun cgroup-directories (mount path)
   "The directories of the cgroup PATH under MOUNT and of its ancestors up to
