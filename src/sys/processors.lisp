@@ -77,26 +77,28 @@ systemd mount them), else the process's own cgroup OWN-PATH there."
 on this process's cgroups, as a list of (PROCESSORS USAGE-FILE
 USAGE-UNITS-A-SECOND): v2's cpu.max with its cpu.stat's usage_usec, v1's
 quota with cpuacct.usage in nanoseconds."
-  (let ((v2-path (cdr (assoc nil cgroups)))
-        (v1-cpu (find "cpu" cgroups :key #'car :test (lambda (name controllers) (member name controllers :test #'string=))))
-        (v1-cpuacct (find "cpuacct" cgroups :key #'car :test (lambda (name controllers) (member name controllers :test #'string=)))))
-    (append
-     (when (and v2-path (probe-file "/sys/fs/cgroup/cgroup.controllers"))
-       (loop for directory in (cgroup-directories "/sys/fs/cgroup/" v2-path)
-             for quota = (let ((text (read-small-file (concatenate 'string directory "cpu.max"))))
-                           (and text (parse-cgroup-v2-quota text)))
-             when quota
-               collect (list quota (concatenate 'string directory "cpu.stat") 1000000)))
-     (when (and v1-cpu v1-cpuacct)
-       (let ((cpu-mount (format nil "/sys/fs/cgroup/~{~A~^,~}/" (car v1-cpu)))
-             (cpuacct-mount (format nil "/sys/fs/cgroup/~{~A~^,~}/" (car v1-cpuacct))))
-         (loop for directory in (cgroup-directories cpu-mount (cdr v1-cpu))
-               for quota = (cgroup-quota (read-small-file (concatenate 'string directory "cpu.cfs_quota_us"))
-                                         (read-small-file (concatenate 'string directory "cpu.cfs_period_us")))
+  (flet ((v1-cgroup (controller)
+           (find-if (lambda (cgroup) (member controller (car cgroup) :test #'string=)) cgroups)))
+    (let ((v2-path (cdr (assoc nil cgroups)))
+          (v1-cpu (v1-cgroup "cpu"))
+          (v1-cpuacct (v1-cgroup "cpuacct")))
+      (append
+       (when (and v2-path (probe-file "/sys/fs/cgroup/cgroup.controllers"))
+         (loop for directory in (cgroup-directories "/sys/fs/cgroup/" v2-path)
+               for quota = (let ((text (read-small-file (concatenate 'string directory "cpu.max"))))
+                             (and text (parse-cgroup-v2-quota text)))
                when quota
-                 collect (list quota (cpuacct-usage-file cpuacct-mount (subseq directory (length cpu-mount))
-                                                         (cdr v1-cpuacct))
-                               1000000000)))))))
+                 collect (list quota (concatenate 'string directory "cpu.stat") 1000000)))
+       (when (and v1-cpu v1-cpuacct)
+         (let ((cpu-mount (format nil "/sys/fs/cgroup/~{~A~^,~}/" (car v1-cpu)))
+               (cpuacct-mount (format nil "/sys/fs/cgroup/~{~A~^,~}/" (car v1-cpuacct))))
+           (loop for directory in (cgroup-directories cpu-mount (cdr v1-cpu))
+                 for quota = (cgroup-quota (read-small-file (concatenate 'string directory "cpu.cfs_quota_us"))
+                                           (read-small-file (concatenate 'string directory "cpu.cfs_period_us")))
+                 when quota
+                   collect (list quota (cpuacct-usage-file cpuacct-mount (subseq directory (length cpu-mount))
+                                                           (cdr v1-cpuacct))
+                                 1000000000))))))))
 
 (defstruct (processor-limit (:constructor %make-processor-limit))
   "Which processors this process may use, and how many."

@@ -47,6 +47,10 @@
   (reply-sent-p nil)
   ;; The engine's PLAIN-STREAMS-RESET-P of this run.
   (plain-streams-reset-p t :read-only t)
+  ;; DEFAULT-ACCESS-LOG-P's last answer for this worker's acceptor, and
+  ;; HUNCHENTOOT:ACCEPTOR-LOG-ACCESS's methods list it was given for.
+  (access-log-methods nil)
+  (access-log-answer nil)
   ;; The DEFERRED-REPLY the handler of the request being answered made
   ;; (DEFER-REPLY), or NIL.
   (deferred nil)
@@ -80,28 +84,26 @@ the client made for it."
 pipelined requests."
   (max 32768 (+ +max-request-line-bytes+ (acceptor-max-header-bytes acceptor) 1024)))
 
-(sb-ext:defglobal **access-log-chain** nil
-  "The last answer of DEFAULT-ACCESS-LOG-P: a list of
-HUNCHENTOOT:ACCEPTOR-LOG-ACCESS's methods list, the acceptor's class and
-the answer for them.")
-
 (defun default-access-log-p (acceptor)
   "True when the only HUNCHENTOOT:ACCEPTOR-LOG-ACCESS methods for ACCEPTOR
 are Hunchentoot's, which writes nothing while the access log destination is
-NIL, and this library's :AROUND.  Asked again only when a method is added
-or removed, or for another class: a method defined at the REPL on a running
-server is called from its next request on, as on Hunchentoot's acceptor."
-  (let* ((generic-function #'hunchentoot:acceptor-log-access)
-         (methods (generic-function-methods-list generic-function))
-         (class (class-of acceptor))
-         (last **access-log-chain**))
-    (if (and last (eq (first last) methods) (eq (second last) class))
-        (third last)
-        (let ((answer (equal (applicable-methods generic-function class)
-                             (list (find-method generic-function '(:around) (list (find-class 'parallel-acceptor)))
-                                   (find-method generic-function '() (list (find-class 'hunchentoot:acceptor)))))))
-          (setf **access-log-chain** (list methods class answer))
-          answer))))
+NIL, and this library's :AROUND."
+  (let ((generic-function #'hunchentoot:acceptor-log-access))
+    (equal (applicable-methods generic-function (class-of acceptor))
+           (list (find-method generic-function '(:around) (list (find-class 'parallel-acceptor)))
+                 (find-method generic-function '() (list (find-class 'hunchentoot:acceptor)))))))
+
+(defun serving-access-log-default-p (serving acceptor)
+  "DEFAULT-ACCESS-LOG-P of ACCEPTOR, SERVING's, asked again only when a
+method is added or removed: a method defined at the REPL on a running
+server is called from its next request on, as on Hunchentoot's acceptor.
+Kept by each worker, so that acceptors of two classes in one process (HTTP
+and HTTPS) never ask it anew at each request."
+  (let ((methods (generic-function-methods-list #'hunchentoot:acceptor-log-access)))
+    (if (eq methods (serving-access-log-methods serving))
+        (serving-access-log-answer serving)
+        (setf (serving-access-log-methods serving) methods
+              (serving-access-log-answer serving) (default-access-log-p acceptor)))))
 
 (defun log-access (return-code)
   "Write the access log entry of the reply RETURN-CODE through
@@ -111,7 +113,9 @@ acceptor's destination is NIL and it logs access as Hunchentoot does
 nothing, 32 bytes a request (bench/profiles/2026-11-28-per-core.txt)."
   (let ((acceptor hunchentoot:*acceptor*))
     (unless (and (null (hunchentoot:acceptor-access-log-destination acceptor))
-                 (default-access-log-p acceptor))
+                 (if *serving*
+                     (serving-access-log-default-p *serving* acceptor)
+                     (default-access-log-p acceptor)))
       (hunchentoot:acceptor-log-access acceptor :return-code return-code))))
 
 (defun plain-streams-reset-p (acceptor)
