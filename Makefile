@@ -1,4 +1,5 @@
-# make run     the demo server on 127.0.0.1:$(PORT)
+# make run     the demo server on 127.0.0.1:$(PORT); TLS_PORT=q also HTTPS on q (TLS_CERT, TLS_KEY,
+#              TLS_SNI="name=cert,key;*.name2=cert2,key2"; else a self-signed certificate)
 # make test    the test suite (FiveAM), ending with "N passed, M failed";
 #              HUNCHENTOOT=dir runs it on the Hunchentoot in dir (for example
 #              ../shared/vendor/hunchentoot-1.3.1) instead of Debian's
@@ -14,7 +15,8 @@
 # make bench-applications  the application cells alone (make bench ends with them): sessions, pages, a form, a
 #                          cookie, an easy-routes route; Hunchentoot's acceptor and ours
 # make bench-websockets  10,000 idle websockets, a broadcast, 1,000 echo clients for 60 s, a client that reads nothing; ours and hunchensocket
-# make bench-https       GET /yo over TLS, kept alive and a new TLS connection per request, ours, Hunchentoot's and nginx
+# make bench-https       GET /yo over TLS, kept alive and a new TLS connection per request, ours (one certificate,
+#                        and 3 more by SNI), Hunchentoot's and nginx
 # make bench-threaded-floor  the 1 ms handler cells for a bare server of 100 threads, ours and nginx: what threads can do here
 # make bench-scheduling  the handler cells for ours with its workers under SCHED_OTHER and under SCHED_BATCH
 # make bench-events      3,000 and 10,000 event streams, 2,000 deferred replies, a subscriber that reads nothing, two processes over PostgreSQL
@@ -24,6 +26,8 @@
 # Each target installs the Debian packages it needs first (make deps).
 
 PORT ?= 4242
+# The demo reads these from its environment.
+export TLS_PORT TLS_CERT TLS_KEY TLS_SNI
 HUNCHENTOOT ?=
 REV ?= HEAD~1
 SBCL = sbcl --noinform --non-interactive --disable-debugger
@@ -52,6 +56,7 @@ bench-deps: deps
 	@tools/install-deps.sh $(BENCH_PACKAGES)
 
 run: deps
+	@tools/install-deps.sh openssl
 	@$(SBCL) --load tools/setup.lisp \
 	  --eval '(load-systems-quietly "hunchentoot-recycling-taskmaster/demo")' \
 	  --eval '(hunchentoot-recycling-taskmaster-demo:main :port $(PORT))'

@@ -161,11 +161,12 @@ returns given that directory's name; its process-info."
                                                     :workers workers))
                      log-file))
 
-(defun launch-server (server port delay-ms core log-file &key ssl-port ssl-certificate ssl-key)
+(defun launch-server (server port delay-ms core log-file &key ssl-port ssl-certificate ssl-key ssl-certificates)
   "Start SERVER in a process of its own, from its own :CORE if it has one,
 else from CORE, on *SERVER-PROCESSORS*; its process-info.  nginx and Woo
 run the server's :WORKERS worker processes or threads (2 unless it says).
-SSL-PORT, SSL-CERTIFICATE and SSL-KEY go to SERVE (ours only)."
+SSL-PORT, SSL-CERTIFICATE, SSL-KEY and SSL-CERTIFICATES go to SERVE
+(the Lisp servers only)."
   (cond
     ((getf server :nginx)
      (launch-nginx port :log-file log-file :delay-ms delay-ms :workers (getf server :workers 2)))
@@ -178,10 +179,11 @@ SSL-PORT, SSL-CERTIFICATE and SSL-KEY go to SERVE (ours only)."
       (pinned-command
        (list "sbcl" "--core" (or (getf server :core) core) "--noinform" "--non-interactive" "--disable-debugger"
              "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench:serve ~S ~D :delay-ms ~D :static-folder ~S~
-                                     ~@[ :ssl-port ~D~]~@[ :ssl-certificate ~S~]~@[ :ssl-key ~S~]~{ ~S~})"
+                                     ~@[ :ssl-port ~D~]~@[ :ssl-certificate ~S~]~@[ :ssl-key ~S~]~
+                                     ~@[ :ssl-certificates '~S~]~{ ~S~})"
                               (getf server :lisp) port delay-ms *static-folder*
                               ssl-port (and ssl-certificate (namestring ssl-certificate))
-                              (and ssl-key (namestring ssl-key)) (getf server :serve-options))))
+                              (and ssl-key (namestring ssl-key)) ssl-certificates (getf server :serve-options))))
       :output log-file :error-output :output :if-output-exists :supersede))))
 
 (defun stop-server (process)

@@ -1,13 +1,16 @@
 ;;;; HTTPS: GET /yo over TLS, kept alive and on a new TLS connection per
 ;;;; request (a TLS handshake each, as wrk makes them), for ours,
-;;;; Hunchentoot's SSL acceptor and nginx, side by side in each round, as a
-;;;; ratio to nginx.  `bench/run https [SECONDS [ROUNDS]]`.
+;;;; ours with three more certificates chosen by host name (SNI; wrk names
+;;;; 127.0.0.1, one of them), Hunchentoot's SSL acceptor and nginx, side by
+;;;; side in each round, as a ratio to nginx.  `bench/run https [SECONDS
+;;;; [ROUNDS]]`.
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
 (defparameter *https-servers*
   '((:name "hunchentoot" :label "Hunchentoot easy-ssl-acceptor" :lisp :hunchentoot)
     (:name "parallel" :label "parallel-easy-ssl-acceptor" :lisp :parallel)
+    (:name "parallel-sni" :label "parallel-easy-ssl-acceptor, 3 SNI certificates" :lisp :parallel :sni t)
     (:name "nginx" :label "nginx, 2 workers" :nginx t))
   "The servers of the HTTPS load, nginx last: every ratio is to it.")
 
@@ -31,27 +34,62 @@ does: the same handshake for both; session tickets on, nginx's default."
 }
 " (nginx-config-opening directory) port (namestring certificate) (namestring key)))
 
-(defun launch-https-server (server port certificate key core log-file)
+(defun sni-certificates (directory)
+  "Three certificates by host name, made in DIRECTORY: for 127.0.0.1 (the
+name wrk gives), *.example.org and example.net.  The :SSL-CERTIFICATES
+that name them."
+  (loop for (file name) in '(("loopback" "127.0.0.1") ("wildcard" "*.example.org") ("other" "example.net"))
+        for certificate = (format nil "~A~A.pem" directory file)
+        for key = (format nil "~A~A.key" directory file)
+        do (uiop:run-program (list "openssl" "req" "-x509" "-newkey" "rsa:2048" "-nodes" "-keyout" key
+                                   "-out" certificate "-days" "2" "-subj" (format nil "/CN=~A" name))
+                             :output nil :error-output nil)
+        collect (list :names name :certificate-file certificate :privatekey-file key)))
+
+(defun launch-https-server (server port certificate key core log-file sni-certificates)
   "Start SERVER answering /yo over TLS on PORT; its process-info.  A Lisp
-server also listens in plain HTTP on another port, as SERVE does."
+server also listens in plain HTTP on another port, as SERVE does; one
+marked :SNI serves SNI-CERTIFICATES too."
   (if (getf server :nginx)
       (launch-nginx-with (lambda (directory) (nginx-https-config directory port certificate key)) log-file)
       (launch-server server (free-port) 0 core log-file
-                     :ssl-port port :ssl-certificate certificate :ssl-key key)))
+                     :ssl-port port :ssl-certificate certificate :ssl-key key
+                     :ssl-certificates (and (getf server :sni) sni-certificates))))
 
-(defun measure-https-cell (server workload seconds certificate key core directory round)
+(defun measure-https-cell (server workload seconds certificate key core directory round sni-certificates)
   "Start SERVER, warm it, measure WORKLOAD over TLS for SECONDS, stop it.  A plist."
   (let* ((port (free-port))
          (base (format nil "~A~A_https_~A_round~D" directory (getf server :name)
                        (workload-file-name workload) round))
          (process (launch-https-server server port certificate key core
-                                       (concatenate 'string base ".server.log"))))
+                                       (concatenate 'string base ".server.log") sni-certificates)))
     (unwind-protect
          (if (wait-until-serving port :scheme "https")
              (progn (wrk port workload 1 :scheme "https")
                     (parse-wrk (wrk port workload seconds :scheme "https")))
              (list :failed "server did not answer GET /yo over TLS within 30 s"))
       (stop-server process))))
+
+(defun print-sni-fractions (rounds-of)
+  "Print ours with SNI certificates as a fraction of ours with one, for
+each workload: of the medians, and round by round.  ROUNDS-OF gives a
+server's cells of a workload, in round order."
+  (let ((one (find "parallel" *https-servers* :key (lambda (server) (getf server :name)) :test #'string=))
+        (sni (find-if (lambda (server) (getf server :sni)) *https-servers*)))
+    (format t "~%Ours with 3 SNI certificates as a fraction of ours with one (target: at least 0.95 ~
+               for new connections):~%")
+    (dolist (workload *https-workloads*)
+      (flet ((rate (cell) (getf cell :requests-per-second)))
+        (let ((one-rate (rate (median-cell (funcall rounds-of one workload))))
+              (sni-rate (rate (median-cell (funcall rounds-of sni workload)))))
+          (format t "- ~:[keep-alive~;new connection each~]: ~A (rounds:~{ ~A~})~%"
+                  (getf workload :close)
+                  (if (and one-rate sni-rate (plusp one-rate)) (ratio-text (/ sni-rate one-rate)) "-")
+                  (loop for one-cell in (funcall rounds-of one workload)
+                        for sni-cell in (funcall rounds-of sni workload)
+                        collect (if (and (rate one-cell) (rate sni-cell) (plusp (rate one-cell)))
+                                    (ratio-text (/ (rate sni-cell) (rate one-cell)))
+                                    "-"))))))))
 
 (defun https-cell-errors (cell)
   (+ (getf cell :connect-errors 0) (getf cell :read-errors 0) (getf cell :write-errors 0)
@@ -68,12 +106,14 @@ without an error."
     (unwind-protect
          (let* ((certificate (merge-pathnames "cert.pem" certificate-directory))
                 (key (merge-pathnames "key.pem" certificate-directory))
+                (sni-certificates (sni-certificates (namestring certificate-directory)))
                 (cells (loop for round from 1 to rounds
                              append (loop for workload in *https-workloads*
                                           append (loop for server in *https-servers*
                                                        collect (list server workload
                                                                      (measure-https-cell server workload seconds certificate
-                                                                                         key core directory round)))))))
+                                                                                         key core directory round
+                                                                                         sni-certificates)))))))
            (flet ((rounds-of (server workload)
                     (loop for (cell-server cell-workload cell) in cells
                           when (and (eq cell-server server) (eq cell-workload workload))
@@ -102,6 +142,7 @@ without an error."
                                (if (and rate nginx-rate (plusp nginx-rate)) (ratio-text (/ rate nginx-rate)) "-")
                                (getf cell :p50-ms) (getf cell :p99-ms)
                                errors failures (mapcar #'round (getf cell :rounds)))))))
+               (print-sni-fractions #'rounds-of)
                clean)))
       (uiop:delete-directory-tree certificate-directory :validate t)
       (uiop:delete-directory-tree (uiop:ensure-directory-pathname directory) :validate t))))

@@ -214,13 +214,14 @@ Hunchentoot's folder dispatcher, ours, or AllegroServe's directory."
     (:aserve (net.aserve:publish-directory :prefix "/static/" :destination folder))))
 
 (defun serve (kind port &key (delay-ms 0) reuse-port worker-scheduling-policy static-folder
-                             ssl-port ssl-certificate ssl-key)
+                             ssl-port ssl-certificate ssl-key ssl-certificates)
   "Start the server KIND on 127.0.0.1:PORT (with SO_REUSEPORT when
 REUSE-PORT, and the taskmaster's WORKER-SCHEDULING-POLICY when given, ours
 only), serving STATIC-FOLDER under /static/ when given,
 and serve until killed.  With SSL-PORT, the server (ours or Hunchentoot's)
-also serves TLS there with the SSL-CERTIFICATE and SSL-KEY files, and
-/pool-stats describes that acceptor."
+also serves TLS there with the SSL-CERTIFICATE and SSL-KEY files (and
+ours SSL-CERTIFICATES by host name), and /pool-stats describes that
+acceptor."
   (if (eq kind :parallel-timer)
       (setf *timer-delay* (and (plusp delay-ms) delay-ms))
       (setf *handler-delay* (and (plusp delay-ms) (/ delay-ms 1000))))
@@ -230,6 +231,7 @@ also serves TLS there with the SSL-CERTIFICATE and SSL-KEY files, and
     (setf hrt:*channel-bus* (hrt:make-postgresql-channel-bus)))
   (start-server kind port :reuse-port reuse-port :worker-scheduling-policy worker-scheduling-policy)
   (when ssl-port
-    (start-hunchentoot ssl-port (if (eq kind :hunchentoot) 'ht:easy-ssl-acceptor 'hrt:parallel-easy-ssl-acceptor)
-                       :ssl-certificate-file ssl-certificate :ssl-privatekey-file ssl-key))
+    (apply #'start-hunchentoot ssl-port (if (eq kind :hunchentoot) 'ht:easy-ssl-acceptor 'hrt:parallel-easy-ssl-acceptor)
+           :ssl-certificate-file ssl-certificate :ssl-privatekey-file ssl-key
+           (and ssl-certificates (list :ssl-certificates ssl-certificates))))
   (loop (sleep 3600)))

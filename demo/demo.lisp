@@ -118,14 +118,58 @@ the server, so nothing is unwound from inside a handler."
   "True when the environment variable NAME is set and not empty."
   (plusp (length (or (uiop:getenv name) ""))))
 
-(defun main (&key (port 4242) (address "127.0.0.1"))
+;;; HTTPS: TLS_PORT=q serves the same site over TLS on q, with TLS_CERT and
+;;; TLS_KEY or a self-signed certificate for localhost made at start, and
+;;; TLS_SNI="name=cert,key;*.name2=cert2,key2" adds certificates by host
+;;; name.  Replacing any of these files renews it without a restart.
+
+(defun self-signed-certificate ()
+  "The certificate and key files of a new self-signed certificate for
+localhost and 127.0.0.1, valid 30 days, made with the openssl command."
+  (let* ((directory (string-right-trim '(#\Newline) (uiop:run-program '("mktemp" "-d") :output :string)))
+         (certificate (format nil "~A/cert.pem" directory))
+         (key (format nil "~A/key.pem" directory)))
+    (uiop:run-program (list "openssl" "req" "-x509" "-newkey" "rsa:2048" "-nodes" "-days" "30"
+                            "-keyout" key "-out" certificate "-subj" "/CN=localhost"
+                            "-addext" "subjectAltName=DNS:localhost,IP:127.0.0.1")
+                      :output nil :error-output nil)
+    (values certificate key)))
+
+(defun sni-certificates (text)
+  "The :SSL-CERTIFICATES of TLS_SNI's TEXT: entries name=certificate,key
+separated by semicolons."
+  (loop for entry in (uiop:split-string text :separator ";")
+        for equals = (position #\= entry)
+        for comma = (and equals (position #\, entry :start equals))
+        when (plusp (length (string-trim " " entry)))
+          collect (if comma
+                      (list :names (string-trim " " (subseq entry 0 equals))
+                            :certificate-file (string-trim " " (subseq entry (1+ equals) comma))
+                            :privatekey-file (string-trim " " (subseq entry (1+ comma))))
+                      (error "TLS_SNI: ~S is not name=certificate,key." entry))))
+
+(defun make-tls-acceptor (port address store)
+  "The demo's HTTPS acceptor on ADDRESS:PORT, or NIL when PORT is NIL."
+  (when port
+    (multiple-value-bind (certificate key)
+        (if (environment-set-p "TLS_CERT")
+            (values (uiop:getenv "TLS_CERT") (or (uiop:getenv "TLS_KEY") (uiop:getenv "TLS_CERT")))
+            (self-signed-certificate))
+      (make-instance 'hunchentoot-recycling-taskmaster:parallel-easy-ssl-acceptor
+                     :port port :address address :session-store store
+                     :document-root (static-directory)
+                     :ssl-certificate-file certificate :ssl-privatekey-file key
+                     :ssl-certificates (sni-certificates (or (uiop:getenv "TLS_SNI") ""))))))
+
+(defun main (&key (port 4242) (address "127.0.0.1")
+               (tls-port (and (environment-set-p "TLS_PORT") (parse-integer (uiop:getenv "TLS_PORT")))))
   "Serve the demo on ADDRESS:PORT until Ctrl-C or SIGTERM, then stop softly
 (requests in flight finish) and return.  Started by systemd's socket
 activation (demo/*.socket), serve the socket it passed instead.  Sessions
 are kept in PostgreSQL when PGDATABASE is set (the other PG* variables say
 where), in the process otherwise, and channels then reach every demo using
 the database; REUSE_PORT=1 listens with SO_REUSEPORT, so that several
-demos share the port."
+demos share the port.  TLS_PORT serves it over TLS too (above)."
   (let* ((listen-fd (hunchentoot-recycling-taskmaster:systemd-listen-fd))
          (store (when (environment-set-p "PGDATABASE")
                   (hunchentoot-recycling-taskmaster:make-postgresql-session-store)))
@@ -133,11 +177,19 @@ demos share the port."
                                   :port port :address address :listen-fd listen-fd
                                   :reuse-port (equal (uiop:getenv "REUSE_PORT") "1")
                                   :session-store store
-                                  :document-root (static-directory))))
+                                  :document-root (static-directory)))
+         (tls-acceptor (make-tls-acceptor tls-port address store)))
     (when store
       (setf hunchentoot-recycling-taskmaster:*channel-bus*
             (hunchentoot-recycling-taskmaster:make-postgresql-channel-bus)))
     (hunchentoot:start acceptor)
+    (when tls-acceptor
+      (hunchentoot:start tls-acceptor)
+      (format t "~&HTTPS on https://~A:~D/ with ~D certificates (~{~A~^, ~}).~%"
+              address (hunchentoot:acceptor-port tls-acceptor)
+              (1+ (length (hunchentoot-recycling-taskmaster:acceptor-ssl-certificates tls-acceptor)))
+              (cons "its own" (mapcar (lambda (entry) (getf entry :names))
+                                      (hunchentoot-recycling-taskmaster:acceptor-ssl-certificates tls-acceptor)))))
     (format t "~&Serving ~:[http://~A:~D/~;~*the socket systemd passed, port ~D~] ~
                (try /yo, /hello?name=you, /slow?ms=500, /wait?ms=500, /events, /publish?msg=hi, ~
                /count, /stats, /metrics, /index.html, /chat.html), ~
@@ -146,6 +198,8 @@ demos share the port."
     (finish-output)
     (let ((signal (wait-for-termination-signal)))
       (hunchentoot:stop acceptor :soft t)
+      (when tls-acceptor
+        (hunchentoot:stop tls-acceptor :soft t))
       (when hunchentoot-recycling-taskmaster:*channel-bus*
         (hunchentoot-recycling-taskmaster:close-channel-bus hunchentoot-recycling-taskmaster:*channel-bus*))
       (format t "~&~A: stopped after ~D requests.~%" signal

@@ -312,11 +312,27 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
   (:documentation "HUNCHENTOOT:EASY-ACCEPTOR served by a RECYCLING-TASKMASTER:
 DEFINE-EASY-HANDLER handlers and static files work as with EASY-ACCEPTOR."))
 
+(defgeneric acceptor-ssl-certificates (acceptor)
+  (:documentation "The :SSL-CERTIFICATES of a PARALLEL-SSL-ACCEPTOR: its
+certificates for host names other than its own, as it was given them."))
+
 (defclass parallel-ssl-acceptor (parallel-acceptor hunchentoot:ssl-acceptor static-document-root)
-  ()
+  ((ssl-certificates :initarg :ssl-certificates :initform '() :reader acceptor-ssl-certificates
+                     :documentation "The certificates of other host names than the
+acceptor's own, chosen by the name a client's ClientHello gives (SNI): a
+list of plists (server-certificates.lisp, CERTIFICATE-ENTRY-CERTIFICATE).")
+   (certificate-path :documentation "The :SSL-CERTIFICATE-FILE as given, its
+links not resolved, where renewals are looked for.")
+   (privatekey-path :documentation "The :SSL-PRIVATEKEY-FILE as given."))
   (:documentation "HUNCHENTOOT:SSL-ACCEPTOR served by a RECYCLING-TASKMASTER.
 Takes the same :SSL-CERTIFICATE-FILE, :SSL-PRIVATEKEY-FILE and
-:SSL-PRIVATEKEY-PASSWORD initargs."))
+:SSL-PRIVATEKEY-PASSWORD initargs, the certificate served to clients that
+name no host or one :SSL-CERTIFICATES does not, and :SSL-CERTIFICATES,
+more certificates by host name:
+  '((:names (\"example.com\" \"*.example.com\") :certificate-file \"fullchain.pem\"
+     :privatekey-file \"privkey.pem\" :privatekey-password nil) ...)
+Every file is loaded at START, and again when it is replaced (within a
+second of a handshake, or at once by RELOAD-CERTIFICATES)."))
 
 (defclass parallel-easy-ssl-acceptor (parallel-easy-acceptor parallel-ssl-acceptor
                                       hunchentoot:easy-ssl-acceptor static-document-root)

@@ -10,42 +10,158 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(cffi:defcfun ("SSL_CTX_use_PrivateKey_file" %ssl-ctx-use-private-key-file) :int
-  ;; The binding of Debian's cl+ssl (20220328) has no path argument.
-  (context :pointer)
-  (path :string)
-  (type :int))
+;;; An acceptor's TLS contexts: a front context each connection's SSL object
+;;; is made from, which keeps the sessions (cache and ticket keys) and
+;;; names no certificate, and a context per certificate, which the
+;;; servername callback switches the connection to (SSL_set_SSL_CTX) once
+;;; the ClientHello has named a host or not: OpenSSL calls it in either
+;;; case, after resumption was decided, so resumption outlives a
+;;; certificate's context.  Both callbacks find their acceptor's front
+;;; through *TLS-FRONTS*, by the number OpenSSL passes them.
 
-(cffi:defcfun ("ERR_clear_error" forget-tls-errors) :void
-  "Empty the calling thread's OpenSSL error queue.  SSL_get_error(3) takes
-any error queued there as the cause of the call it is asked about, so a
-queue one connection left (cl+ssl's CLOSE does not read what SSL_shutdown
-queues; a handler's own TLS call may leave one) would fail the next
-handshake step, read or write the worker takes on another.")
+(defstruct (tls-front (:constructor make-tls-front (id choose protocols)))
+  "What the callbacks of one front context consult."
+  ;; The number the callbacks are passed, as a pointer's address.
+  (id 0 :type fixnum :read-only t)
+  ;; A function of the host name the ClientHello gave (a string, or NIL
+  ;; when it gave none) to the certificate context to switch to.
+  (choose nil :type function :read-only t)
+  ;; The protocols ALPN may choose, the server's preference first, each as
+  ;; octets.
+  (protocols '() :type list :read-only t))
 
-(defun make-server-tls-context (certificate-file key-file password)
-  "A new OpenSSL context (SSL_CTX) holding the PEM certificate chain of
-CERTIFICATE-FILE and the private key of KEY-FILE, decrypted with PASSWORD
-when it is not NIL; not asking clients for certificates.  Signals
-CL+SSL:SSL-ERROR-INITIALIZE when a file does not load.  Free it with
-FREE-TLS-CONTEXT; OpenSSL keeps it alive while connections made from it
+(defvar *tls-fronts* (make-hash-table :synchronized t)
+  "Every front context's TLS-FRONT, by its ID.")
+
+(defvar *tls-front-count* (list 0)
+  "The ID of the last TLS-FRONT made, in a cons for ATOMIC-INCF.")
+
+(defun find-tls-front (argument)
+  (gethash (cffi:pointer-address argument) *tls-fronts*))
+
+(defun tls-client-server-name (ssl)
+  "The host name SSL's ClientHello gave (OpenSSL refuses any over 255
+octets or with a NUL), or NIL."
+  (let ((name (%ssl-get-servername ssl +tlsext-nametype-host-name+)))
+    (unless (cffi:null-pointer-p name)
+      (cffi:foreign-string-to-lisp name :max-chars 255 :encoding :latin-1))))
+
+(cffi:defcallback switch-to-named-certificate :int ((ssl :pointer) (alert :pointer) (argument :pointer))
+  (declare (ignore alert))
+  ;; Nothing may unwind through OpenSSL's frames: any error ends the
+  ;; handshake with an alert.
+  (handler-case
+      (let* ((front (find-tls-front argument))
+             (context (and front (funcall (tls-front-choose front) (tls-client-server-name ssl)))))
+        (cond ((or (null context) (cffi:null-pointer-p (%ssl-set-ssl-ctx ssl context)))
+               +ssl-tlsext-err-alert-fatal+)
+              (t +ssl-tlsext-err-ok+)))
+    (error () +ssl-tlsext-err-alert-fatal+)))
+
+(defun offered-protocol-position (protocol offered offered-octets)
+  "Where the octets of PROTOCOL start in the ALPN list OFFERED (a foreign
+pointer to OFFERED-OCTETS octets: each protocol its length octet, then
+itself), or NIL when it is not there."
+  (declare (type (simple-array (unsigned-byte 8) (*)) protocol) (type fixnum offered-octets))
+  (loop with length = (length protocol)
+        for position = 0 then (+ position 1 octets)
+        for octets = (and (< position offered-octets) (cffi:mem-aref offered :uint8 position))
+        while (and octets (<= (+ position 1 octets) offered-octets))
+        when (and (= octets length)
+                  (loop for index below length
+                        always (= (aref protocol index) (cffi:mem-aref offered :uint8 (+ position 1 index)))))
+          return (1+ position)))
+
+(cffi:defcallback choose-application-protocol :int
+    ((ssl :pointer) (out :pointer) (out-length :pointer) (offered :pointer) (offered-octets :unsigned-int)
+     (argument :pointer))
+  (declare (ignore ssl))
+  ;; A client offering none of ours gets no ALPN and no alert (NOACK).
+  (handler-case
+      (let ((front (find-tls-front argument)))
+        (dolist (protocol (if front (tls-front-protocols front) '()) +ssl-tlsext-err-noack+)
+          (let ((position (offered-protocol-position protocol offered offered-octets)))
+            (when position
+              (setf (cffi:mem-ref out :pointer) (cffi:inc-pointer offered position)
+                    (cffi:mem-ref out-length :uint8) (length protocol))
+              (return +ssl-tlsext-err-ok+)))))
+    (error () +ssl-tlsext-err-noack+)))
+
+(defun make-tls-context ()
+  "A new server context as cl+ssl makes them (its protocols, ciphers and
+session cache), not asking clients for certificates."
+  (cl+ssl:make-context :verify-mode cl+ssl:+ssl-verify-none+ :verify-location nil))
+
+(defun use-application-protocols (context front)
+  (%ssl-ctx-set-alpn-select-cb context (cffi:callback choose-application-protocol)
+                               (cffi:make-pointer (tls-front-id front))))
+
+(defun make-front-tls-context (choose protocols)
+  "A new front context and its TLS-FRONT: each handshake's SSL object is
+made from the context; CHOOSE, a function of the host name a ClientHello
+gave (or NIL), returns the certificate context (MAKE-CERTIFICATE-TLS-CONTEXT
+with the TLS-FRONT) the connection switches to; ALPN chooses the first of
+PROTOCOLS (strings) the client offers.  Free it with FREE-FRONT-TLS-CONTEXT."
+  (let* ((front (make-tls-front (1+ (atomic-increment (car *tls-front-count*))) choose
+                                (mapcar (lambda (protocol) (sb-ext:string-to-octets protocol :external-format :latin-1))
+                                        protocols)))
+         (context (make-tls-context)))
+    (setf (gethash (tls-front-id front) *tls-fronts*) front)
+    (%ssl-ctx-callback-ctrl context +ssl-ctrl-set-tlsext-servername-cb+ (cffi:callback switch-to-named-certificate))
+    (%ssl-ctx-ctrl context +ssl-ctrl-set-tlsext-servername-arg+ 0 (cffi:make-pointer (tls-front-id front)))
+    (use-application-protocols context front)
+    (values context front)))
+
+(defun free-front-tls-context (context front)
+  (remhash (tls-front-id front) *tls-fronts*)
+  (free-tls-context context))
+
+(defun tls-error-reason ()
+  "OpenSSL's reason for the first error of the calling thread's queue, as a phrase."
+  (let ((reason (%err-reason-error-string (%err-peek-error))))
+    (if (cffi:null-pointer-p reason)
+        "no reason given"
+        (cffi:foreign-string-to-lisp reason :encoding :latin-1))))
+
+(defun make-certificate-tls-context (front certificate-file key-file password)
+  "A new context holding the PEM certificate chain of CERTIFICATE-FILE and
+the private key of KEY-FILE, decrypted with PASSWORD when it is not NIL,
+choosing ALPN as FRONT does.  Signals CERTIFICATE-NOT-LOADED when a file
+does not load or the key is not the certificate's.  Free it with
+FREE-TLS-CONTEXT; OpenSSL keeps it alive while connections switched to it
 are."
-  (let ((context (cl+ssl:make-context :verify-mode cl+ssl:+ssl-verify-none+ :verify-location nil)))
-    (handler-bind ((error (lambda (condition)
-                            (declare (ignore condition))
-                            (cl+ssl:ssl-ctx-free context))))
-      (unless (eql 1 (cl+ssl::ssl-ctx-use-certificate-chain-file context (namestring certificate-file)))
-        (error 'cl+ssl:ssl-error-initialize
-               :reason (format nil "Can't load certificate ~A" certificate-file)))
-      (cl+ssl::with-pem-password (password)
-        (unless (eql 1 (%ssl-ctx-use-private-key-file context (namestring key-file)
-                                                      cl+ssl::+ssl-filetype-pem+))
-          (error 'cl+ssl:ssl-error-initialize
-                 :reason (format nil "Can't load private key file ~A" key-file))))
-      context)))
+  (let ((context (make-tls-context)))
+    (flet ((refuse (format-control &rest arguments)
+             (let ((reason (apply #'format nil format-control arguments)))
+               (forget-tls-errors)
+               (error 'certificate-not-loaded :certificate-file certificate-file :key-file key-file
+                                              :reason reason))))
+      (handler-bind ((error (lambda (condition)
+                              (declare (ignore condition))
+                              (cl+ssl:ssl-ctx-free context))))
+        (forget-tls-errors)
+        (unless (eql 1 (cl+ssl::ssl-ctx-use-certificate-chain-file context certificate-file))
+          (refuse "its certificate chain does not load (~A)" (tls-error-reason)))
+        (unless (eql 1 (cl+ssl:with-pem-password (password)
+                         (%ssl-ctx-use-private-key-file context key-file cl+ssl::+ssl-filetype-pem+)))
+          (refuse "its private key does not load (~A)" (tls-error-reason)))
+        (unless (eql 1 (%ssl-ctx-check-private-key context))
+          (refuse "the private key is not the certificate's (~A)" (tls-error-reason)))
+        (use-application-protocols context front)
+        context))))
 
 (defun free-tls-context (context)
   (cl+ssl:ssl-ctx-free context))
+
+(defun tls-stream-application-protocol (stream)
+  "The protocol ALPN chose for the TLS STREAM, a string, or NIL when none was."
+  (let ((handle (cl+ssl::ssl-stream-handle stream)))
+    (when handle
+      (cffi:with-foreign-objects ((data :pointer) (length :unsigned-int))
+        (%ssl-get0-alpn-selected handle data length)
+        (let ((octets (cffi:mem-ref length :unsigned-int)))
+          (when (plusp octets)
+            (cffi:foreign-string-to-lisp (cffi:mem-ref data :pointer) :count octets :encoding :latin-1)))))))
 
 (defun start-tls-handshake (context fd-stream)
   "A cl+ssl server stream over FD-STREAM's descriptor, made from CONTEXT,

@@ -53,6 +53,34 @@ that names no existing directory."))
 (defmethod configuration-subject ((condition invalid-static-folder))
   "static folder")
 
+(defgeneric refused-certificate-file (condition)
+  (:documentation "The certificate file of a CERTIFICATE-NOT-LOADED, as the acceptor was given it."))
+
+(defgeneric refused-key-file (condition)
+  (:documentation "The private key file of a CERTIFICATE-NOT-LOADED."))
+
+(defgeneric certificate-refusal-reason (condition)
+  (:documentation "Why the files of a CERTIFICATE-NOT-LOADED did not load: a
+phrase ending with OpenSSL's reason in parentheses."))
+
+(define-condition certificate-not-loaded (recycling-taskmaster-error cl+ssl:ssl-error-initialize)
+  ((certificate-file :initarg :certificate-file :reader refused-certificate-file
+                     :documentation "The certificate chain's file, as the acceptor was given it.")
+   (key-file :initarg :key-file :reader refused-key-file
+             :documentation "The private key's file.")
+   (reason :initarg :reason :reader certificate-refusal-reason
+           :documentation "Why they did not load, as a phrase with OpenSSL's reason."))
+  (:report (lambda (condition stream)
+             (format stream "The TLS certificate ~A with the key ~A did not load: ~A."
+                     (refused-certificate-file condition) (refused-key-file condition)
+                     (certificate-refusal-reason condition))))
+  (:documentation "Signalled by START of a PARALLEL-SSL-ACCEPTOR, and by
+RELOAD-CERTIFICATES, when a certificate or its key does not load or they do
+not belong together.  A replacement found by the engine's own check is
+logged instead, and the certificate loaded before is kept.  A
+CL+SSL:SSL-ERROR-INITIALIZE, as the engine signalled before it had
+certificates of its own."))
+
 (define-condition acceptor-not-parallel-error (recycling-taskmaster-error)
   ((acceptor :initarg :acceptor :reader error-acceptor
              :documentation "The acceptor that was being started."))

@@ -39,7 +39,8 @@
   "TASKMASTER-STATISTICS of ACCEPTOR (or of a RECYCLING-TASKMASTER) as a
 string in the Prometheus text exposition format (version 0.0.4): each
 family with # HELP and # TYPE, counters named ..._total, gauges, the
-engine's replies by status class and refusals by status, and a histogram
+engine's replies by status class and refusals by status, TLS handshakes
+by protocol, and a histogram
 of request durations (from the complete head to the flushed reply) with
 its _bucket, _sum and _count.  Every name starts with PREFIX.  Serve it
 with Content-Type text/plain; version=0.0.4.  Unspecified: the order of
@@ -65,5 +66,9 @@ the families.  Families of the engine appear once it has been started."
                         (write-metric-family out full-name 'counter help)
                         (loop for (code . count) in (getf statistics key)
                               do (format out "~A{code=\"~D\"} ~D~%" full-name code count)))
+                       ((eq kind :by-protocol)
+                        (write-metric-family out full-name 'counter help)
+                        (loop for (protocol . count) in (getf statistics key)
+                              do (format out "~A{protocol=\"~A\"} ~D~%" full-name protocol count)))
                        ((eq kind :histogram-buckets)
                         (write-histogram out statistics full-name help)))))))

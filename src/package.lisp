@@ -37,6 +37,14 @@ hunchentoot-recycling-taskmaster, which calls it WS.")
    #:parallel-ssl-acceptor
    #:parallel-easy-ssl-acceptor
    #:abandon-acceptor
+   ;; TLS: certificates by host name (SNI), reloaded when replaced; ALPN.
+   #:acceptor-ssl-certificates
+   #:reload-certificates
+   #:acceptor-application-protocols
+   #:certificate-not-loaded
+   #:refused-certificate-file
+   #:refused-key-file
+   #:certificate-refusal-reason
    ;; The request and reply classes they use in place of Hunchentoot's defaults.
    #:parallel-request
    #:parallel-reply

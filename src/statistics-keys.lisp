@@ -68,6 +68,13 @@
      "Requests answered 408 because their body stalled for the read timeout.")
     (:handshake-timeouts :counter "handshake_timeouts_total"
      "Connections closed because their TLS handshake was not done within the header timeout.")
+    (:tls-handshakes-by-protocol :by-protocol "tls_handshakes_total"
+     "TLS handshakes finished, by the protocol ALPN chose: an alist from \"http/1.1\", \"other\" and \"none\".")
+    (:tls-certificates :gauge "tls_certificates" "Certificates the acceptor serves.")
+    (:tls-certificate-reloads :counter "tls_certificate_reloads_total"
+     "Certificates loaded again because their files changed.")
+    (:tls-certificate-reload-failures :counter "tls_certificate_reload_failures_total"
+     "Replaced certificate files that did not load, each counted once.")
     (:bad-request-replies (:refused 400) "refused_requests_total"
      "Requests refused 400: a malformed head, an ambiguous body length, a missing or invalid Host, a malformed chunked body.")
     (:header-timeout-replies (:refused 408) "refused_requests_total"
@@ -100,7 +107,7 @@
 KIND is :GAUGE or :COUNTER for a number; (:REFUSED STATUS) for the count of
 requests the engine answered STATUS by itself; :BY-CLASS for the alist of
 replies by status class; :BY-CODE for the alist of websocket closes by
-close code; :HISTOGRAM-BUCKETS, :HISTOGRAM-COUNT and
+close code; :BY-PROTOCOL for the alist of TLS handshakes by protocol; :HISTOGRAM-BUCKETS, :HISTOGRAM-COUNT and
 :HISTOGRAM-SUM for the request-duration histogram.  The Prometheus name
 follows the metrics' prefix; refusals share one family labelled by
 status.")

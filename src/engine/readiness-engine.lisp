@@ -31,7 +31,7 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
   (let ((acceptor (engine-acceptor engine)))
     ;; First, as it is what may fail (a file that does not load): nothing
     ;; else has been made yet.
-    (setf (engine-tls-context engine) (make-acceptor-tls-context acceptor))
+    (setf (engine-certificates engine) (make-acceptor-certificates acceptor (engine-certificate-counters engine)))
     (setf (engine-readiness-set engine)
           (make-readiness-set (acceptor-listen-socket acceptor) (engine-counters engine)
                               (let ((octets (acceptor-memory-budget acceptor)))
@@ -164,22 +164,41 @@ holding the most closed until less than ~D% of it is used."
     (resume-accepting set)))
 
 (defmethod engine-statistics ((engine readiness-engine))
-  (readiness-statistics (engine-readiness-set engine) (engine-counters engine)))
+  (append (readiness-statistics (engine-readiness-set engine) (engine-counters engine))
+          (server-certificates-statistics (engine-certificates engine) (engine-certificate-counters engine))))
 
-(defun free-engine-tls-context (engine)
-  ;; OpenSSL counts the connections still using it.
-  (let ((context (shiftf (engine-tls-context engine) nil)))
-    (when context
-      (free-tls-context context))))
+(defun free-engine-certificates (engine)
+  (let ((certificates (shiftf (engine-certificates engine) nil)))
+    (when certificates
+      (free-server-certificates certificates))))
+
+(defun reload-certificates (acceptor)
+  "Load again at once each certificate of ACCEPTOR, a started
+PARALLEL-SSL-ACCEPTOR, whose files changed since they were loaded, as the
+engine does by itself within a second of a handshake; new handshakes get
+it, connections open keep theirs.  A file that does not load is logged and
+the certificate loaded before kept; then signals the CERTIFICATE-NOT-LOADED
+of the first such file, once every other certificate has been looked at.
+Returns the count of certificates loaded again."
+  (let* ((engine (taskmaster-engine (acceptor-taskmaster acceptor)))
+         (certificates (and engine (engine-certificates engine))))
+    (if (null certificates)
+        0
+        (let ((reloads (certificate-counters-reloads (engine-certificate-counters engine)))
+              (failures (bt:with-lock-held ((server-certificates-check-lock certificates))
+                          (check-certificates certificates :again t))))
+          (when failures
+            (error (first failures)))
+          (- (certificate-counters-reloads (engine-certificate-counters engine)) reloads)))))
 
 (defun end-engine-run (engine close-connections)
   "End ENGINE's run: its connections closed by CLOSE-CONNECTIONS (called
-with the set), its set destroyed, its TLS context freed."
+with the set), its set destroyed, its certificates freed."
   (let ((set (shiftf (engine-readiness-set engine) nil)))
     (when set
       (funcall close-connections set)
       (destroy-readiness-set set)))
-  (free-engine-tls-context engine))
+  (free-engine-certificates engine))
 
 (defmethod engine-finish ((engine readiness-engine))
   (end-engine-run engine #'close-parked-connections))

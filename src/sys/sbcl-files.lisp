@@ -1,5 +1,6 @@
 ;;;; Files sent with sendfile(2): opened and looked at once, read without
-;;;; moving their offset, their paths resolved by the kernel.
+;;;; moving their offset, their paths resolved by the kernel; a file's
+;;;; signature, which changes when it is replaced.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -22,6 +23,16 @@ is what was looked at, whatever happens to the name meanwhile."
   (multiple-value-bind (ok device inode mode) (sb-unix:unix-stat namestring)
     (declare (ignore device inode))
     (and ok (= (logand mode +s-ifmt+) +s-ifdir+))))
+
+(defun file-signature (namestring)
+  "What tells one content of the file NAMESTRING (symbolic links followed)
+from the next: its device, inode, size and the seconds of its last
+modification and status change, as a list; NIL when it names nothing.  A
+rename, a link switched or a rewrite in place each change it."
+  (multiple-value-bind (ok device inode mode links uid gid rdev size atime mtime ctime)
+      (sb-unix:unix-stat namestring)
+    (declare (ignore mode links uid gid rdev atime))
+    (and ok (list device inode size mtime ctime))))
 
 (defun send-file-octets (socket-fd file-fd start end)
   "Send the octets of FILE-FD from START below END to the non-blocking

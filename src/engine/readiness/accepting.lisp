@@ -69,9 +69,9 @@ the pool is stopping."
                        (ignore-errors (connection-addresses-of (connection-fd connection))))))
     (when (and addresses (not (stopping-p engine)))
       (setf (connection-addresses connection) addresses)
-      (let* ((context (engine-tls-context engine))
-             (stream (if context
-                         (continue-connection-handshake (engine-readiness-set engine) context connection)
+      (let* ((certificates (engine-certificates engine))
+             (stream (if certificates
+                         (continue-connection-handshake (engine-readiness-set engine) certificates connection)
                          (ignore-errors
                           (hunchentoot:initialize-connection-stream (engine-acceptor engine)
                                                                     (connection-fd-stream connection))))))

@@ -17,6 +17,10 @@ nothing.")
   "The close codes websocket closes are counted by; any other is counted
 as 0.")
 
+(defparameter *counted-application-protocols* #("http/1.1" "other" "none")
+  "What TLS handshakes are counted by: the protocol ALPN chose among those
+named, \"other\" for another, \"none\" when it chose none.")
+
 (defconstant +request-count-stripes+ 8
   "The stripes requests are counted in, each worker counting into one: a
 word every worker added to would move between the processors' caches at
@@ -66,6 +70,9 @@ keeps it from run to run; each run's set counts into it."
   (websocket-octets-out 0 :type word)
   ;; Websockets closed, per code of *WEBSOCKET-CLOSE-CODES*, then others.
   (websocket-closes (make-array (1+ (length *websocket-close-codes*)) :element-type 'word :initial-element 0)
+   :type (simple-array word (*)) :read-only t)
+  ;; TLS handshakes the engine finished, per *COUNTED-APPLICATION-PROTOCOLS*.
+  (tls-handshakes (make-array (length *counted-application-protocols*) :element-type 'word :initial-element 0)
    :type (simple-array word (*)) :read-only t))
 
 (declaim (inline request-count-word))
@@ -123,3 +130,11 @@ MICROSECONDS from its complete head to its reply sent, in STRIPE."
   "Count a websocket closed with CODE (1006 when it closed without a frame)."
   (atomic-increment (aref (connection-counters-websocket-closes counters)
                           (or (position code *websocket-close-codes*) (length *websocket-close-codes*)))))
+
+(defun count-tls-handshake (counters protocol)
+  "Count a TLS handshake finished with PROTOCOL chosen by ALPN (a string, or NIL)."
+  (let ((protocols *counted-application-protocols*))
+    (atomic-increment (aref (connection-counters-tls-handshakes counters)
+                            (cond ((null protocol) (1- (length protocols)))
+                                  ((position protocol protocols :end (- (length protocols) 2) :test #'string=))
+                                  (t (- (length protocols) 2)))))))

@@ -25,9 +25,11 @@ acceptor is stopped.")
                           :documentation "False when, as at the start of the
 current run, HUNCHENTOOT:RESET-CONNECTION-STREAM need not be called on a
 plain connection's own stream (serving.lisp, PLAIN-STREAMS-RESET-P).")
-   (tls-context :initform nil :accessor engine-tls-context
-                :documentation "The TLS context (tls-handshake.lisp) of the
-current run when the engine takes the acceptor's TLS handshakes, else NIL.")
+   (certificates :initform nil :accessor engine-certificates
+                 :documentation "The SERVER-CERTIFICATES of the current run
+when the engine takes the acceptor's TLS handshakes, else NIL.")
+   (certificate-counters :initform (make-certificate-counters) :reader engine-certificate-counters
+                         :documentation "What the certificates of every run have counted.")
    (sweep-buffer :initform nil :accessor engine-sweep-buffer
                  :documentation "Where the thread-making thread peeks at what has
 arrived on parked connections while no worker is free (saturated-pool.lisp)."))

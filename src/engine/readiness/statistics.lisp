@@ -41,6 +41,8 @@ none runs) holds now, and what COUNTERS counted ever."
            :write-timeouts (connection-counters-write-timeouts counters)
            :body-timeout-replies (connection-counters-body-timeouts counters)
            :handshake-timeouts (connection-counters-handshake-timeouts counters)
+           :tls-handshakes-by-protocol (map 'list #'cons *counted-application-protocols*
+                                            (connection-counters-tls-handshakes counters))
            :replies-by-class (loop for class from 1 to 5
                                    collect (cons class (request-count counters :replies class)))
            :request-duration-buckets (loop for bound across *duration-bucket-seconds*
