@@ -213,14 +213,16 @@ it again and returns the status, and one that closes it."
                        (is (= 3 (failures)) "no handshake came between the two renames")))
                 (funcall close)))))))))
 
-(defun resumed-session-p (server session-file &key save)
-  "Make a TLS connection to SERVER that asks for /test/yo, saving its
-session to SESSION-FILE when SAVE, else offering the one saved there.
-True when the server resumed the session offered."
+(defun resumed-session-p (server session-file protocol &key save)
+  "Make a TLS connection to SERVER that asks for /test/yo with s_client's
+PROTOCOL options, saving its session to SESSION-FILE when SAVE, else
+offering the one saved there.  True when the server resumed the session
+offered."
   (let ((output (uiop:run-program
-                 (list "timeout" "10" "openssl" "s_client" "-connect"
-                       (format nil "127.0.0.1:~D" (ht:acceptor-port server)) "-ign_eof"
-                       (if save "-sess_out" "-sess_in") session-file)
+                 (append (list "timeout" "10" "openssl" "s_client" "-connect"
+                               (format nil "127.0.0.1:~D" (ht:acceptor-port server)) "-ign_eof"
+                               (if save "-sess_out" "-sess_in") session-file)
+                         protocol)
                  ;; Connection: close: s_client reads until the reply's
                  ;; end, after the session ticket.
                  :input (make-string-input-stream
@@ -234,15 +236,23 @@ True when the server resumed the session offered."
       (multiple-value-bind (certificate key) (make-test-certificate directory "live" "first.test")
         (with-server (server (make-server 'parallel-easy-ssl-acceptor
                                           :ssl-certificate-file certificate :ssl-privatekey-file key))
-          (let ((session (concatenate 'string directory "session")))
-            (is-false (resumed-session-p server session :save t))
-            (is-true (resumed-session-p server session) "resumed before the renewal")
+          ;; TLS 1.3's tickets, and TLS 1.2's session cache.
+          (let ((protocols '(("-tls1_3") ("-tls1_2" "-no_ticket")))
+                (sessions (list (concatenate 'string directory "ticket")
+                                (concatenate 'string directory "session-id"))))
+            (loop for protocol in protocols
+                  for session in sessions
+                  do (is-false (resumed-session-p server session protocol :save t))
+                     (is-true (resumed-session-p server session protocol) "~A: resumed before the renewal" protocol))
             (multiple-value-bind (next next-key) (make-test-certificate directory "next" "second.test")
               (replace-file next-key key)
               (replace-file next certificate))
             (is (= 1 (reload-certificates server)))
             (is (equal "second.test" (served-name server)))
-            (is-true (resumed-session-p server session) "a session of before the renewal resumes after it")))))))
+            (loop for protocol in protocols
+                  for session in sessions
+                  do (is-true (resumed-session-p server session protocol)
+                              "~A: a session of before the renewal resumes after it" protocol))))))))
 
 (test reload-certificates.at-once-and-signals-what-does-not-load
   (with-thread-leak-check ()
