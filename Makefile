@@ -22,6 +22,7 @@
 # make bench-events      3,000 and 10,000 event streams, 2,000 deferred replies, a subscriber that reads nothing, two processes over PostgreSQL
 # make bench-per-core   each server pinned to one processor, wrk to the other: requests/s and the server's
 #                        processor time a request, ours, nginx and Woo with one worker, the threaded floor
+# make bench-compression  a 10 KiB page with gzip offered, ours and nginx at level 1; ours with zstd and br
 # make bench-waits       the 1 ms handler cells: ours sleeping, ours deferring its reply to its timer, nginx's echo_sleep
 # Each target installs the Debian packages it needs first (make deps).
 
@@ -32,10 +33,11 @@ HUNCHENTOOT ?=
 REV ?= HEAD~1
 SBCL = sbcl --noinform --non-interactive --disable-debugger
 LIBRARY_PACKAGES = sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-flexi-streams \
-                   cl-chunga cl-ppcre cl-plus-ssl cl-cffi cl-postmodern cl-ironclad cl-base64
+                   cl-chunga cl-ppcre cl-plus-ssl cl-cffi cl-postmodern cl-ironclad cl-base64 \
+                   zlib1g libzstd1 libbrotli1
 # The test suite's, and what the compatibility suite's libraries (and the
 # Hunchentoot releases HUNCHENTOOT may name) need from Debian.
-TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd postgresql nginx-light \
+TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd postgresql nginx-light gzip brotli zstd \
                 cl-alexandria cl-base64 cl-md5 cl-rfc2388 cl-trivial-backtrace cl-fad \
                 cl-puri cl-iterate cl-split-sequence cl-trivial-utf-8 cl-global-vars \
                 cl-trivial-garbage cl-trivial-features cl-who chromium
@@ -44,7 +46,7 @@ BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox pr
                  libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \
                  cl-trivial-gray-streams cl-alexandria cl-global-vars cl-trivial-garbage
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-applications bench-https bench-websockets bench-threaded-floor bench-scheduling bench-waits bench-events bench-per-core
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-applications bench-https bench-websockets bench-threaded-floor bench-scheduling bench-waits bench-events bench-per-core bench-compression
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -124,3 +126,6 @@ bench-events: bench-deps
 
 bench-per-core: bench-deps
 	bench/run per-core
+
+bench-compression: bench-deps
+	bench/run compression

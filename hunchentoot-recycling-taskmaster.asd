@@ -25,7 +25,10 @@ bytes, with acceptors that use it by default."
                                                 (:file "sbcl-deadlines")
                                                 (:file "sbcl-random")
                                                 (:file "sbcl-mop")
-                                                (:file "openssl")))
+                                                (:file "openssl")
+                                                (:file "zlib")
+                                                (:file "zstd")
+                                                (:file "brotli")))
                (:file "hunchentoot-internals")
                (:file "chunga-internals")
                (:file "conditions")
@@ -58,6 +61,7 @@ bytes, with acceptors that use it by default."
                                                    (:file "chunked-body")
                                                    (:file "cookie-header")
                                                    (:file "session-cookie")
+                                                   (:file "content-coding")
                                                    (:file "request-object")
                                                    (:file "reply-head")))
                (:module "engine/websocket" :serial t :components ((:file "utf-8")
@@ -87,6 +91,7 @@ bytes, with acceptors that use it by default."
                                                         (:file "face")))
                (:module "engine/serving" :serial t :components ((:file "serving")
                                                       (:file "body-streams")
+                                                      (:file "reply-coding")
                                                       (:file "reply")
                                                       (:file "form-body")
                                                       (:file "request-cycle")
@@ -155,6 +160,7 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (:file "request-fields")
                (:file "random-requests")
                (:file "static-files")
+               (:file "compression")
                (:file "listening")
                (:file "metrics")
                (:file "garbage-input")
@@ -223,7 +229,8 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "threaded-floor")
                (:file "scheduling")
                (:file "events")
-               (:file "per-core")))
+               (:file "per-core")
+               (:file "compression")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
   :author "The hunchentoot-recycling-taskmaster authors"
@@ -231,6 +238,6 @@ the wrk matrix that measures them, and the many-connection loads."
   :version "0.1.0"
   :description "The demo server that `make run` starts."
   :depends-on ("hunchentoot-recycling-taskmaster" "hunchentoot-recycling-taskmaster/postgresql"
-               (:require "sb-posix"))
+               "flexi-streams" (:require "sb-posix"))
   :pathname "demo/"
   :components ((:file "demo")))

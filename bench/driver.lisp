@@ -557,6 +557,23 @@ time, then wrk's, user and system together."
   (multiple-value-bind (minutes seconds) (floor (round seconds) 60)
     (format nil "~Dm~2,'0Ds" minutes seconds)))
 
+(defun write-suite-report (report name directory)
+  "Print REPORT, a suite's; with DIRECTORY (a matrix run's) append it to its
+summary.md and write NAME.md there, else write
+bench/results/<UTC timestamp>-NAME.md."
+  (format t "~&~%~A" report)
+  (if directory
+      (progn
+        (with-open-file (out (merge-pathnames "summary.md" directory) :direction :output :if-exists :append)
+          (format out "~%~A" report))
+        (with-open-file (out (merge-pathnames (format nil "~A.md" name) directory) :direction :output
+                                                                                  :if-exists :supersede)
+          (write-string report out)))
+      (let ((file (format nil "bench/results/~A-~A.md" (utc-timestamp) name)))
+        (with-open-file (out file :direction :output :if-exists :supersede)
+          (write-string report out))
+        (format t "~&Report: ~A~%" file))))
+
 (defun median-cell (cells)
   "Of one server's cells for one workload (one per round), the one with the
 median requests/s, carrying every round's requests/s as :ROUNDS."

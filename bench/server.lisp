@@ -93,6 +93,19 @@ by every reply, as a handler returning a cached page shares it.")
                 (dotimes (index (length octets) octets)
                   (setf (aref octets index) (mod index 251))))))))
 
+(defun lorem-page (kib)
+  "KIB KiB of HTML, the same at every call: numbered lines of lorem ipsum."
+  (with-output-to-string (out)
+    (loop for line from 0 below (* kib 16)
+          do (format out "<p>~4,'0D Lorem ipsum dolor sit amet, consectetur adipiscing elit.</p>~%" line))))
+
+(defvar *lorem-page* (lorem-page 10)
+  "The 10 KiB page of /lorem and of nginx's lorem.html.")
+
+(ht:define-easy-handler (lorem :uri "/lorem") ()
+  (setf (ht:content-type*) "text/html")
+  *lorem-page*)
+
 (ht:define-easy-handler (megabytes :uri "/megabytes") ((n :parameter-type 'integer :init-form 1))
   (setf (ht:content-type*) "application/octet-stream")
   (megabyte-body (max 1 (min 64 n))))
@@ -192,11 +205,11 @@ constructors) is in it too, hence asked of the running server."
   ;; 100 is the thread budget Hunchentoot's default taskmaster has.
   (net.aserve:start :host "127.0.0.1" :port port :listeners 100))
 
-(defun start-server (kind port &key reuse-port worker-scheduling-policy)
+(defun start-server (kind port &key reuse-port worker-scheduling-policy compression)
   (ecase kind
     (:hunchentoot (start-hunchentoot port 'ht:easy-acceptor))
     ((:parallel :parallel-timer)
-     (apply #'start-hunchentoot port 'hrt:parallel-easy-acceptor :reuse-port reuse-port
+     (apply #'start-hunchentoot port 'hrt:parallel-easy-acceptor :reuse-port reuse-port :compression compression
             (and worker-scheduling-policy
                  (list :taskmaster (make-instance 'hrt:recycling-taskmaster
                                                   :worker-scheduling-policy worker-scheduling-policy)))))
@@ -214,10 +227,11 @@ Hunchentoot's folder dispatcher, ours, or AllegroServe's directory."
     (:aserve (net.aserve:publish-directory :prefix "/static/" :destination folder))))
 
 (defun serve (kind port &key (delay-ms 0) reuse-port worker-scheduling-policy static-folder
-                             ssl-port ssl-certificate ssl-key ssl-certificates)
+                             ssl-port ssl-certificate ssl-key ssl-certificates compression)
   "Start the server KIND on 127.0.0.1:PORT (with SO_REUSEPORT when
-REUSE-PORT, and the taskmaster's WORKER-SCHEDULING-POLICY when given, ours
-only), serving STATIC-FOLDER under /static/ when given,
+REUSE-PORT, and the taskmaster's WORKER-SCHEDULING-POLICY and the
+acceptor's COMPRESSION when given, ours only), serving STATIC-FOLDER under
+/static/ when given,
 and serve until killed.  With SSL-PORT, the server (ours or Hunchentoot's)
 also serves TLS there with the SSL-CERTIFICATE and SSL-KEY files (and
 ours SSL-CERTIFICATES by host name), and /pool-stats describes that
@@ -229,7 +243,8 @@ acceptor."
     (serve-static-folder kind static-folder))
   (when (and (member kind '(:parallel :parallel-timer)) (plusp (length (or (uiop:getenv "PGDATABASE") ""))))
     (setf hrt:*channel-bus* (hrt:make-postgresql-channel-bus)))
-  (start-server kind port :reuse-port reuse-port :worker-scheduling-policy worker-scheduling-policy)
+  (start-server kind port :reuse-port reuse-port :worker-scheduling-policy worker-scheduling-policy
+                          :compression compression)
   (when ssl-port
     (apply #'start-hunchentoot ssl-port (if (eq kind :hunchentoot) 'ht:easy-ssl-acceptor 'hrt:parallel-easy-ssl-acceptor)
            :ssl-certificate-file ssl-certificate :ssl-privatekey-file ssl-key

@@ -36,6 +36,26 @@
           (setf (hunchentoot:session-value 'count) (1+ (or (hunchentoot:session-value 'count) 0)))
           (sb-posix:getpid)))
 
+;;; Compressed replies (the acceptors are made with :COMPRESSION): /lorem
+;;; answers KB KiB of text/html, or of TYPE, the same each time; with
+;;; stream=1 written through SEND-HEADERS' stream, which is sent as written.
+
+(defun lorem-line (number)
+  (format nil "<p>~5,'0D Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod.</p>~%" number))
+
+(hunchentoot:define-easy-handler (lorem :uri "/lorem") ((kb :parameter-type 'integer :init-form 10) type stream)
+  (setf (hunchentoot:content-type*) (or type "text/html; charset=utf-8"))
+  (let ((lines (* 12 (max 0 (min kb 10240)))))
+    (if (equal stream "1")
+        (let ((out (flex:make-flexi-stream (hunchentoot:send-headers) :external-format :utf-8)))
+          (dotimes (line lines)
+            (write-string (lorem-line line) out))
+          (finish-output out)
+          nil)
+        (with-output-to-string (out)
+          (dotimes (line lines)
+            (write-string (lorem-line line) out))))))
+
 ;;; Replies that wait without a thread: /wait?ms=N is answered by the
 ;;; engine's timer after N ms; /events?channel=C is an event stream that
 ;;; begins with the serving process's PID, then carries every message
@@ -123,6 +143,9 @@ the server, so nothing is unwound from inside a handler."
 ;;; TLS_SNI="name=cert,key;*.name2=cert2,key2" adds certificates by host
 ;;; name.  Replacing any of these files renews it without a restart.
 
+(defparameter *compression* '(:zstd :br :gzip)
+  "The codings the demo's replies are offered in, its preference first.")
+
 (defun self-signed-certificate ()
   "The certificate and key files of a new self-signed certificate for
 localhost and 127.0.0.1, valid 30 days, made with the openssl command."
@@ -156,7 +179,7 @@ separated by semicolons."
             (values (uiop:getenv "TLS_CERT") (or (uiop:getenv "TLS_KEY") (uiop:getenv "TLS_CERT")))
             (self-signed-certificate))
       (make-instance 'hunchentoot-recycling-taskmaster:parallel-easy-ssl-acceptor
-                     :port port :address address :session-store store
+                     :port port :address address :session-store store :compression *compression*
                      :document-root (static-directory)
                      :ssl-certificate-file certificate :ssl-privatekey-file key
                      :ssl-certificates (sni-certificates (or (uiop:getenv "TLS_SNI") ""))))))
@@ -176,7 +199,7 @@ demos share the port.  TLS_PORT serves it over TLS too (above)."
          (acceptor (make-instance 'hunchentoot-recycling-taskmaster:parallel-easy-acceptor
                                   :port port :address address :listen-fd listen-fd
                                   :reuse-port (equal (uiop:getenv "REUSE_PORT") "1")
-                                  :session-store store
+                                  :session-store store :compression *compression*
                                   :document-root (static-directory)))
          (tls-acceptor (make-tls-acceptor tls-port address store)))
     (when store
@@ -191,7 +214,7 @@ demos share the port.  TLS_PORT serves it over TLS too (above)."
               (cons "its own" (mapcar (lambda (entry) (getf entry :names))
                                       (hunchentoot-recycling-taskmaster:acceptor-ssl-certificates tls-acceptor)))))
     (format t "~&Serving ~:[http://~A:~D/~;~*the socket systemd passed, port ~D~] ~
-               (try /yo, /hello?name=you, /slow?ms=500, /wait?ms=500, /events, /publish?msg=hi, ~
+               (try /yo, /hello?name=you, /slow?ms=500, /wait?ms=500, /events, /publish?msg=hi, /lorem?kb=10, ~
                /count, /stats, /metrics, /index.html, /chat.html), ~
                sessions ~:[in this process~;in ~:*~A~]. Ctrl-C stops.~%"
             listen-fd address (hunchentoot:acceptor-port acceptor) store)

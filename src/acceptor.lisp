@@ -191,6 +191,21 @@ goes to its file; while the copies and heads counted as they came pass
 it, new requests get 503.  Until use falls below three quarters of it,
 the parked connections holding the most are closed (websockets with
 1008).  Logged once an episode, counted in TASKMASTER-STATISTICS.")
+   (compression
+    :initarg :compression :reader acceptor-compression
+    :documentation "The content codings replies may get, the server's
+preference first: NIL (the default) for none, else a list of :ZSTD, :BR
+and :GZIP, each maybe with its level, (:GZIP 6) (defaults: gzip 1,
+Brotli 4, Zstandard 3).  Kept as (CODING . LEVEL) pairs.  Coded: 200, 403
+and 404 replies of COMPRESSION-TYPES, of COMPRESSION-MIN-BYTES or more,
+without a Content-Encoding, for a client that accepts one
+(serving/reply-coding.lisp).")
+   (compression-types
+    :initarg :compression-types :reader acceptor-compression-types
+    :documentation "The media types coded: exact, or \"text/*\" for every subtype.")
+   (compression-min-bytes
+    :initarg :compression-min-bytes :reader acceptor-compression-min-bytes
+    :documentation "The shortest body coded; shorter ones are sent as they are.")
    (own-listen-socket
     :initform nil :accessor acceptor-own-listen-socket
     :documentation "The listening socket this acceptor's START-LISTENING
@@ -231,6 +246,11 @@ or, without one, an IN-PROCESS-SESSIONS (sessions/session-index.lisp)."))
    :websocket-timeout 75
    :websocket-message-timeout 60
    :memory-budget nil
+   :compression nil
+   :compression-types '("text/*" "application/json" "application/javascript" "application/xml"
+                        "application/xhtml+xml" "application/rss+xml" "application/atom+xml"
+                        "application/manifest+json" "application/ld+json" "image/svg+xml")
+   :compression-min-bytes 256
    :session-store nil
    :session-store-timeout 2
    ;; Deferred accepting keeps a connection in the kernel's queue of
@@ -300,12 +320,34 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
       (error 'invalid-acceptor-configuration
              :initarg :memory-budget :value bytes
              :reason "must be NIL or an integer of at least 1048576")))
+  (setf (slot-value acceptor 'compression) (compression-levels (acceptor-compression acceptor)))
   (let ((store (acceptor-session-store acceptor)))
     (unless (typep store '(or null session-store))
       (error 'invalid-acceptor-configuration
              :initarg :session-store :value store
              :reason "must be NIL or a SESSION-STORE"))
     (setf (slot-value acceptor 'sessions) (or store (make-instance 'in-process-sessions)))))
+
+(defun compression-levels (codings)
+  "The (CODING . LEVEL) pairs of the :COMPRESSION initarg CODINGS, each
+checked, or an INVALID-ACCEPTOR-CONFIGURATION."
+  (flet ((refuse ()
+           (error 'invalid-acceptor-configuration
+                  :initarg :compression :value codings
+                  :reason "must be NIL or a list of :ZSTD, :BR and :GZIP, each maybe as (CODING LEVEL): gzip 1 to 9, Brotli 0 to 11, Zstandard 1 to 19")))
+    (unless (listp codings) (refuse))
+    (let ((levels (mapcar (lambda (coding)
+                            (let* ((list (if (listp coding) coding (list coding)))
+                                   (name (first list))
+                                   (level (second list))
+                                   (range (getf '(:gzip (1 9 1) :br (0 11 4) :zstd (1 19 3)) name)))
+                              (unless (and range (<= (length list) 2)
+                                           (or (null level) (and (integerp level) (<= (first range) level (second range)))))
+                                (refuse))
+                              (cons name (or level (third range)))))
+                          codings)))
+      (unless (= (length levels) (length (remove-duplicates levels :key #'car))) (refuse))
+      levels)))
 
 (defclass parallel-easy-acceptor (parallel-acceptor hunchentoot:easy-acceptor static-document-root)
   ()

@@ -2,8 +2,10 @@
 ;;;; for one file as RFC 9110 asks -- validators (ETag, Last-Modified,
 ;;;; If-None-Match, If-Modified-Since compared as dates, If-Range), byte
 ;;;; ranges (single, suffix, open, several as multipart/byteranges, 416 when
-;;;; none can be satisfied), a precompressed .gz sibling for a client that
-;;;; accepts gzip, HEAD -- and, under a parallel acceptor on a plain
+;;;; none can be satisfied), a precompressed .zst, .br or .gz sibling for a
+;;;; client that accepts its coding, else the file coded as it is read when
+;;;; the acceptor codes replies (reply-coding.lisp), HEAD -- and, under a
+;;;; parallel acceptor on a plain
 ;;;; connection, hands the head as octets and the body as ranges of the
 ;;;; descriptor it opened and looked at once to the engine, which sends them
 ;;;; with sendfile(2), no copy through Lisp, and what a slow client does not
@@ -25,7 +27,7 @@
   (size 0 :type (integer 0) :read-only t)
   ;; Its modification time, a universal time.
   (modified 0 :type integer :read-only t)
-  ;; "gzip" when this is the precompressed sibling, else NIL.
+  ;; "gzip", "br" or "zstd" when this is a precompressed sibling, else NIL.
   (content-encoding nil :read-only t))
 
 (defun open-file-to-send (namestring &optional content-encoding)
@@ -37,17 +39,36 @@
   (format nil "\"~(~x-~x~)~@[-~A~]\"" (file-to-send-size file) (file-to-send-modified file)
           (file-to-send-content-encoding file)))
 
-(defun accepts-gzip-p (accept-encoding)
-  "True when the Accept-Encoding value ACCEPT-ENCODING accepts gzip (by name
-or as *) with a weight above zero."
-  (and accept-encoding
-       (loop for coding in (cl-ppcre:split "\\s*,\\s*" accept-encoding)
-             thereis (cl-ppcre:register-groups-bind (name weight)
-                         ("(?i)^\\s*(gzip|x-gzip|\\*)\\s*(?:;\\s*q\\s*=\\s*([0-9.]+))?\\s*$" coding)
-                       (declare (ignore name))
-                       ;; A weight of zero (0, 0., 0.000) refuses the coding.
-                       (or (null weight)
-                           (not (cl-ppcre:scan "^0\\.?0*$" weight)))))))
+(defparameter *sibling-extensions* '((:zstd . ".zst") (:br . ".br") (:gzip . ".gz"))
+  "Each coding's precompressed sibling: its extension, in the order they
+are preferred unless the acceptor's :COMPRESSION says otherwise.")
+
+(defconstant +coded-static-file-bytes+ (* 1024 1024)
+  "The largest static file coded as it is read; a larger one is sent as it
+is, unless it has a precompressed sibling.")
+
+(defun preferred-codings ()
+  "The codings a static file may be sent in, preferred first: the parallel
+acceptor's :COMPRESSION, else every sibling's."
+  (let ((levels (and (typep hunchentoot:*acceptor* 'parallel-acceptor)
+                     (acceptor-compression hunchentoot:*acceptor*))))
+    (if levels (mapcar #'car levels) (mapcar #'car *sibling-extensions*))))
+
+(defun open-precompressed-sibling (namestring)
+  "The file to send for NAMESTRING's precompressed sibling in the first
+coding of PREFERRED-CODINGS the client accepts that has one, or NIL;
+second value, true when such a sibling is there for any of them (the reply
+then varies with Accept-Encoding)."
+  (let ((accept-encoding (hunchentoot:header-in* :accept-encoding))
+        (any nil))
+    (dolist (coding (preferred-codings) (values nil any))
+      (let ((sibling (concatenate 'string namestring (cdr (assoc coding *sibling-extensions*)))))
+        (if (accepted-coding accept-encoding (list coding))
+            (let ((file (open-file-to-send sibling (string-downcase (symbol-name coding)))))
+              (when file
+                (return (values file t))))
+            (when (and (not any) (file-signature sibling))
+              (setf any t)))))))
 
 ;;; Preconditions (RFC 9110 13.2.2, for GET and HEAD).
 
@@ -144,6 +165,39 @@ be sent whole."
   (setf (hunchentoot:return-code*) status)
   (hunchentoot:abort-request-handler))
 
+(defun file-octets (file)
+  "The octets of FILE, read from its descriptor, as many as it holds now."
+  (let ((octets (make-array (file-to-send-size file) :element-type '(unsigned-byte 8))))
+    (loop with position = 0
+          for count = (and (< position (length octets))
+                           (read-file-octets (file-to-send-fd file) octets position position))
+          while (and count (plusp count))
+          do (incf position count)
+          finally (return (if (= position (length octets)) octets (subseq octets 0 position))))))
+
+(defun static-file-coding (file content-type)
+  "The (CODING . LEVEL) FILE, not a precompressed sibling, is coded with as
+it is read, or NIL; second value, true when it would be coded for a client
+that accepts a coding."
+  (when (and *serving*
+             (<= (file-to-send-size file) +coded-static-file-bytes+)
+             (codable-reply-p hunchentoot:*acceptor* hunchentoot:+http-ok+ content-type
+                              (file-to-send-size file)))
+    (values (reply-coding hunchentoot:*request*) t)))
+
+(defun send-coded-file-reply (request file coding)
+  "Answer REQUEST with FILE coded with CODING, a (CODING . LEVEL), as it is
+read: 304 when the client's copy is this coding's, else 200 with the whole
+file (a Range is not applied: the coded octets are not the file's)."
+  (mark-coded-reply (car coding))
+  (when (not-modified-p file (hunchentoot:header-out :etag))
+    (end-request-with hunchentoot:+http-not-modified+))
+  (let ((coded (coded-octets (car coding) (cdr coding) (file-octets file))))
+    (unless (send-reply-pieces request hunchentoot:+http-ok+ (length coded)
+                               (unless (eq (hunchentoot:request-method request) :head) coded))
+      (setf (finish-processing-connection-p) t))
+    nil))
+
 (defun serve-static-file (pathname &key content-type cache-control (precompressed t))
   "A handler's answer with the file PATHNAME, as HUNCHENTOOT:HANDLE-STATIC-FILE
 answers it and with what RFC 9110 adds: Last-Modified, a strong ETag (from
@@ -154,39 +208,41 @@ multipart/byteranges; none satisfiable: 416 with Content-Range bytes */SIZE),
 HEAD.  CONTENT-TYPE defaults to HUNCHENTOOT:MIME-TYPE of PATHNAME's name,
 and a text type without a charset gets the reply's, as Hunchentoot sends it;
 CACHE-CONTROL, when given, is sent as the Cache-Control header.  When
-PRECOMPRESSED is true and PATHNAME.gz is a regular file, a client that
-accepts gzip gets it with Content-Encoding: gzip (and Vary: Accept-Encoding
-either way).  A name that is not a regular file is answered 404.  The file
-is opened and looked at once; under a parallel acceptor on a plain
-connection the body goes by sendfile(2).  Returns NIL once the reply is
-sent, as a handler that sent it itself; unspecified: when the octets leave
-the kernel."
-  (let* ((namestring (if (pathnamep pathname) (native-path pathname) pathname))
-         (gzip-sibling (and precompressed (open-file-to-send (concatenate 'string namestring ".gz") "gzip")))
-         (file (if (and gzip-sibling (accepts-gzip-p (hunchentoot:header-in* :accept-encoding)))
-                   gzip-sibling
-                   (progn (when gzip-sibling (close-fd (file-to-send-fd gzip-sibling)))
-                          (open-file-to-send namestring)))))
-    (unless file
-      (end-request-with hunchentoot:+http-not-found+))
-    (unwind-protect
-         (let ((content-type (let ((type (or content-type (hunchentoot:mime-type (file-namestring namestring)))))
-                               (if type
-                                   (content-type-with-charset type (hunchentoot:reply-external-format*))
-                                   "application/octet-stream")))
-               (tag (entity-tag file)))
-           (setf (hunchentoot:content-type*) content-type
-                 (hunchentoot:header-out :last-modified) (hunchentoot:rfc-1123-date (file-to-send-modified file))
-                 (hunchentoot:header-out :etag) tag
-                 (hunchentoot:header-out :accept-ranges) "bytes")
-           (when cache-control
-             (setf (hunchentoot:header-out :cache-control) cache-control))
-           (when gzip-sibling
-             (setf (hunchentoot:header-out :vary) "Accept-Encoding"))
-           (when (file-to-send-content-encoding file)
-             (setf (hunchentoot:header-out :content-encoding) (file-to-send-content-encoding file)))
-           (send-file-reply hunchentoot:*request* file content-type tag))
-      (close-fd (file-to-send-fd file)))))
+PRECOMPRESSED is true and PATHNAME.zst, .br or .gz is a regular file, a
+client that accepts its coding gets it with Content-Encoding (the
+acceptor's :COMPRESSION says which first, else zstd, br, gzip).  Else, an
+acceptor that codes replies codes a file of its COMPRESSION-TYPES up to 1
+MiB as it reads it, whole (no ranges), with the coding's own ETag.  Either
+way the reply says Vary: Accept-Encoding.  A name that is not a regular
+file is answered 404.  The file is opened and looked at once; under a
+parallel acceptor on a plain connection a body not coded on the way goes
+by sendfile(2).  Returns NIL once the reply is sent, as a handler that
+sent it itself; unspecified: when the octets leave the kernel."
+  (let ((namestring (if (pathnamep pathname) (native-path pathname) pathname)))
+    (multiple-value-bind (sibling sibling-there-p)
+        (if precompressed (open-precompressed-sibling namestring) (values nil nil))
+      (let ((file (or sibling (open-file-to-send namestring))))
+        (unless file
+          (end-request-with hunchentoot:+http-not-found+))
+        (unwind-protect
+             (let ((content-type (let ((type (or content-type (hunchentoot:mime-type (file-namestring namestring)))))
+                                   (if type
+                                       (content-type-with-charset type (hunchentoot:reply-external-format*))
+                                       "application/octet-stream"))))
+               (setf (hunchentoot:content-type*) content-type
+                     (hunchentoot:header-out :last-modified) (hunchentoot:rfc-1123-date (file-to-send-modified file))
+                     (hunchentoot:header-out :etag) (entity-tag file))
+               (when cache-control
+                 (setf (hunchentoot:header-out :cache-control) cache-control))
+               (multiple-value-bind (coding codable-p) (and (null sibling) (static-file-coding file content-type))
+                 (when (or sibling-there-p codable-p)
+                   (add-vary-accept-encoding))
+                 (cond (coding (send-coded-file-reply hunchentoot:*request* file coding))
+                       (t (setf (hunchentoot:header-out :accept-ranges) "bytes")
+                          (when (file-to-send-content-encoding file)
+                            (setf (hunchentoot:header-out :content-encoding) (file-to-send-content-encoding file)))
+                          (send-file-reply hunchentoot:*request* file content-type (entity-tag file))))))
+          (close-fd (file-to-send-fd file)))))))
 
 ;;; The folder dispatcher.
 

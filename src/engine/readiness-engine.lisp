@@ -70,11 +70,13 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
          (serving (make-serving engine worker))
          (*serving* serving)
          (hunchentoot:*acceptor* (engine-acceptor engine)))
-    (loop for token = (next-ready-token engine worker set)
-          while token
-          do (if (= token +timer-token+)
-                 (run-timers-serving-completions engine set serving)
-                 (serve-ready-token engine worker set serving token)))))
+    (unwind-protect
+         (loop for token = (next-ready-token engine worker set)
+               while token
+               do (if (= token +timer-token+)
+                      (run-timers-serving-completions engine set serving)
+                      (serve-ready-token engine worker set serving token)))
+      (free-reply-coders (shiftf (serving-coders serving) nil)))))
 
 (defun run-timers-serving-completions (engine set serving)
   "Call SET's timers that are due, then serve the connections whose

@@ -51,14 +51,15 @@ truncated), :WOULD-BLOCK when the socket buffer is full, or :ERROR."
   "A new descriptor on what FD is open on (dup(2)), or NIL."
   (sb-unix:unix-dup fd))
 
-(defun read-file-octets (fd buffer position)
-  "Read from FD at POSITION into BUFFER (octets) with pread(2), without
-moving FD's offset: the count read, 0 at the file's end, NIL on error."
+(defun read-file-octets (fd buffer position &optional (start 0))
+  "Read from FD at POSITION into BUFFER (octets) from START with pread(2),
+without moving FD's offset: the count read, 0 at the file's end, NIL on
+error."
   (sb-sys:with-pinned-objects (buffer)
     (let ((count (sb-alien:alien-funcall
                   (sb-alien:extern-alien "pread" (function sb-alien:long sb-alien:int sb-sys:system-area-pointer
                                                            sb-alien:unsigned-long (sb-alien:signed 64)))
-                  fd (sb-sys:vector-sap buffer) (length buffer) position)))
+                  fd (sb-sys:sap+ (sb-sys:vector-sap buffer) start) (- (length buffer) start) position)))
       (and (>= count 0) count))))
 
 (defun native-path (pathname)

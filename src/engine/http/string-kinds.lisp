@@ -16,3 +16,11 @@ compiled once for each kind, and once for any other string."
      (simple-base-string
       (let ((,string ,string)) (declare (type simple-base-string ,string)) ,@body))
      (t ,@body)))
+
+(defun ascii-string-octets (string)
+  "The codes of the characters of STRING, all ASCII, as octets."
+  (let ((octets (make-array (length string) :element-type '(unsigned-byte 8))))
+    (with-string-kind (string)
+      (dotimes (index (length string))
+        (setf (aref octets index) (char-code (char string index)))))
+    octets))

@@ -137,14 +137,6 @@ and body leave in one send(2).")
   (with-string-kind (string)
     (every (lambda (char) (< (char-code char) 128)) string)))
 
-(defun ascii-string-octets (string)
-  "The codes of the characters of STRING, all ASCII, as octets."
-  (let ((octets (make-array (length string) :element-type '(unsigned-byte 8))))
-    (with-string-kind (string)
-      (dotimes (index (length string))
-        (setf (aref octets index) (char-code (char string index)))))
-    octets))
-
 (defun url-rewrite-content-type-p (content-type)
   "True when START-OUTPUT rewrites the links of a string body of
 CONTENT-TYPE for a session: it starts with one of
@@ -265,8 +257,9 @@ gone or the file ended early."
 
 (defun send-octets-reply (request return-code content)
   "Send RETURN-CODE with the body CONTENT, a string or octets, head and
-body as octets (SEND-REPLY-PIECES).  No body for HEAD."
-  (let ((body (reply-body content)))
+body as octets (SEND-REPLY-PIECES), coded as the client accepts
+(CODE-REPLY-BODY).  No body for HEAD, and its headers GET's."
+  (let ((body (code-reply-body request return-code (reply-body content))))
     (unless (send-reply-pieces request return-code (length body)
                                (unless (eq (hunchentoot:request-method request) :head) body))
       (setf (finish-processing-connection-p) t))))

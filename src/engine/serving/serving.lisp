@@ -21,6 +21,9 @@
   (buffer nil :type octets :read-only t)
   ;; The REPLY-HEAD replies are built in.
   (reply-head (make-reply-head) :type reply-head :read-only t)
+  ;; The worker's compressors (reply-coding.lisp), made at its first coded
+  ;; reply, freed when it ends; NIL until then.
+  (coders nil)
   ;; The string header names are spelled in (MAKE-NAME-SCRATCH).
   (name-scratch (make-name-scratch) :read-only t)
   ;; The REQUEST-HEAD each request's head is parsed into.
