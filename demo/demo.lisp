@@ -38,7 +38,7 @@
 
 ;;; Compressed replies (the acceptors are made with :COMPRESSION): /lorem
 ;;; answers KB KiB of text/html, or of TYPE, the same each time; with
-;;; stream=1 written through SEND-HEADERS' stream, which is sent as written.
+;;; stream=1 written through SEND-HEADERS' stream, gzipped as it is written.
 
 (defun lorem-line (number)
   (format nil "<p>~5,'0D Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod.</p>~%" number))

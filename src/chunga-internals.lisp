@@ -35,3 +35,56 @@ to their count; return the count, or NIL once the body has ended."))
 (defun (setf chunk-trailers) (trailers stream)
   "Set what CHUNGA:CHUNKED-INPUT-STREAM-TRAILERS returns."
   (setf (slot-value stream 'chunga::chunk-trailers) trailers))
+
+;;; A chunked reply whose data are coded as they are written.
+
+(defclass filtered-chunked-stream (chunga:chunked-io-stream)
+  ((filter :initarg :filter :reader chunk-filter
+           :documentation "A function of octets, a start, an end and :MORE,
+:FLUSH or :FINISH, returning the octets to send for them (maybe none): what
+the data written so far have become, everything when :FLUSH (a
+FORCE-OUTPUT), the rest when :FINISH (the body ends)."))
+  (:documentation "A Chunga chunked stream whose chunks carry what FILTER
+makes of the data written to it: a reply coded as the handler writes it."))
+
+(defun make-filtered-chunked-stream (stream filter)
+  "A FILTERED-CHUNKED-STREAM over STREAM with FILTER, its chunking off."
+  (make-instance 'filtered-chunked-stream :real-stream stream :filter filter))
+
+(defun write-chunk-frame (stream octets)
+  "Write OCTETS, when there are any, as one chunk to STREAM's real stream
+(never an empty chunk, which would end the body)."
+  (when (plusp (length octets))
+    (let ((real (chunga:chunked-stream-stream stream)))
+      (write-sequence (map '(vector (unsigned-byte 8)) #'char-code (format nil "~X" (length octets))) real)
+      (write-byte 13 real) (write-byte 10 real)
+      (write-sequence octets real)
+      (write-byte 13 real) (write-byte 10 real))))
+
+(defun write-filtered (stream mode)
+  (write-chunk-frame stream (funcall (chunk-filter stream) (make-array 0 :element-type '(unsigned-byte 8)) 0 0 mode)))
+
+(defmethod chunga::write-chunk ((stream filtered-chunked-stream) sequence &key (start 0) (end (length sequence)))
+  (let ((octets (if (typep sequence '(simple-array (unsigned-byte 8) (*)))
+                    sequence
+                    (coerce (subseq sequence start end) '(simple-array (unsigned-byte 8) (*))))))
+    (write-chunk-frame stream (if (eq octets sequence)
+                                  (funcall (chunk-filter stream) octets start end :more)
+                                  (funcall (chunk-filter stream) octets 0 (length octets) :more)))))
+
+(defmethod trivial-gray-streams:stream-force-output ((stream filtered-chunked-stream))
+  (when (chunga:chunked-stream-output-chunking-p stream)
+    (chunga::flush-buffer stream)
+    (write-filtered stream :flush))
+  (force-output (chunga:chunked-stream-stream stream)))
+
+(defmethod trivial-gray-streams:stream-finish-output ((stream filtered-chunked-stream))
+  (when (chunga:chunked-stream-output-chunking-p stream)
+    (chunga::flush-buffer stream)
+    (write-filtered stream :flush))
+  (finish-output (chunga:chunked-stream-stream stream)))
+
+(defmethod (setf chunga:chunked-stream-output-chunking-p) :before (new-value (stream filtered-chunked-stream))
+  (when (and (not new-value) (chunga:chunked-stream-output-chunking-p stream))
+    (chunga::flush-buffer stream)
+    (write-filtered stream :finish)))

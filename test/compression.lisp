@@ -228,3 +228,102 @@ with HEADERS (strings \"Name: value\"), on a connection of its own."
         (is (eql 200 status))
         (is (null (head-field head "Content-Encoding")))
         (is (null (head-field head "Vary")))))))
+
+(ht:define-easy-handler (test-lorem-stream :uri "/test/lorem-stream") ((kb :parameter-type 'integer :init-form 10))
+  (setf (ht:content-type*) "text/html")
+  (let ((stream (flex:make-flexi-stream (ht:send-headers) :external-format :latin-1))
+        (text (lorem-text kb)))
+    ;; Half, a FORCE-OUTPUT, then the rest.
+    (write-string text stream :end (floor (length text) 2))
+    (force-output stream)
+    (write-string text stream :start (floor (length text) 2))
+    nil))
+
+(test compression.streamed-reply-coded-as-written
+  (with-thread-leak-check ()
+    (with-server (server (coding-server))
+      (multiple-value-bind (status head body)
+          (raw-reply server "/test/lorem-stream" :headers '("Accept-Encoding: gzip"))
+        (is (eql 200 status))
+        (is (equal "gzip" (head-field head "Content-Encoding")))
+        (is (equal "chunked" (head-field head "Transfer-Encoding")))
+        (is (equal "Accept-Encoding" (head-field head "Vary")))
+        (let ((coded (dechunked body)))
+          (is (< (length coded) (* 0.4 (length (lorem-text 10)))))
+          (is (string= (lorem-text 10) (decoded coded :gzip)))))
+      (multiple-value-bind (status head body) (raw-reply server "/test/lorem-stream" :headers '("Accept-Encoding: br"))
+        (is (eql 200 status))
+        (is (null (head-field head "Content-Encoding")) "only gzip codes a stream")
+        (is (string= (lorem-text 10) (flex:octets-to-string (dechunked body) :external-format :latin-1))))
+      ;; The connection goes on after a coded stream.
+      (is (eql 200 (http-get server "/test/yo"))))))
+
+(defun dechunked (octets)
+  "The data of the chunked body OCTETS, its chunks joined, as far as they
+have arrived."
+  (let ((data (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer t)))
+    (loop with position = 0
+          for line-end = (search #(13 10) octets :start2 position)
+          for size = (and line-end
+                          (parse-integer (flex:octets-to-string octets :start position :end line-end
+                                                                       :external-format :latin-1)
+                                         :radix 16 :junk-allowed t))
+          while (and size (plusp size))
+          do (loop for index from (+ line-end 2) below (min (length octets) (+ line-end 2 size))
+                   do (vector-push-extend (aref octets index) data))
+             (setf position (+ line-end 2 size 2))
+          while (< position (length octets)))
+    (coerce data '(simple-array (unsigned-byte 8) (*)))))
+
+(defvar *stream-may-end* nil
+  "A semaphore the test below signals once its client has decoded what the
+handler flushed.")
+
+(ht:define-easy-handler (test-flushed-stream :uri "/test/flushed-stream") ()
+  (setf (ht:content-type*) "text/plain")
+  (let ((stream (flex:make-flexi-stream (ht:send-headers) :external-format :latin-1)))
+    (write-string (lorem-text 1) stream)
+    (force-output stream)
+    (sb-thread:wait-on-semaphore *stream-may-end* :timeout 10)
+    (write-string "the end" stream)
+    nil))
+
+(test compression.streamed-reply-sent-whole-at-each-force-output
+  ;; What was written before a FORCE-OUTPUT decodes whole while the handler
+  ;; still waits: a sync flush, not left in the compressor.
+  (with-thread-leak-check ()
+    (with-server (server (coding-server))
+      ;; Global, not bound: the handler runs in a worker.
+      (setf *stream-may-end* (sb-thread:make-semaphore))
+      (let ((socket (connect server)))
+        (unwind-protect
+             (let ((stream (usocket:socket-stream socket))
+                   (octets (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer t)))
+               (write-sequence (flex:string-to-octets (crlf-lines "GET /test/flushed-stream HTTP/1.1" "Host: x"
+                                                                  "Accept-Encoding: gzip" "Connection: close" ""))
+                               stream)
+               (finish-output stream)
+               (flet ((partly-decoded ()
+                        (let ((end (search #(13 10 13 10) octets)))
+                          (and end
+                               (let ((coded (dechunked (coerce (subseq octets (+ end 4)) '(simple-array (unsigned-byte 8) (*))))))
+                                 (and (plusp (length coded))
+                                      (let ((file (format nil "/tmp/hrt-partial-~D" (sb-posix:getpid))))
+                                        (with-open-file (out file :direction :output :element-type '(unsigned-byte 8)
+                                                                  :if-exists :supersede)
+                                          (write-sequence coded out))
+                                        (prog1 (uiop:run-program (list "gzip" "-dc" file) :output :string
+                                                                                          :error-output nil :ignore-error-status t)
+                                          (delete-file file)))))))))
+                 (is (wait-until (lambda ()
+                                   (loop while (usocket:wait-for-input socket :timeout 0.05 :ready-only t)
+                                         do (let ((octet (read-byte stream nil)))
+                                              (if octet (vector-push-extend octet octets) (return))))
+                                   (equal (lorem-text 1) (partly-decoded)))
+                                 :timeout 10)
+                     "what was flushed decodes whole while the handler waits")
+                 (sb-thread:signal-semaphore *stream-may-end*)
+                 (loop for octet = (read-byte stream nil) while octet do (vector-push-extend octet octets))
+                 (is (equal (concatenate 'string (lorem-text 1) "the end") (partly-decoded)))))
+          (sb-thread:signal-semaphore *stream-may-end*)
+          (usocket:socket-close socket))))))

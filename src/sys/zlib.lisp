@@ -68,6 +68,10 @@ free it with FREE-GZIP-STREAM."
   (%deflate-end stream)
   (cffi:foreign-free stream))
 
+(defun reset-gzip-stream (stream)
+  "Make STREAM ready to begin a new gzip stream."
+  (%deflate-reset stream))
+
 (defun gzip-bound (stream octets)
   "The most octets gzip writes for OCTETS octets."
   (%deflate-bound stream octets))
@@ -85,3 +89,32 @@ long) through STREAM, reset first.  The count of octets written."
         (unless (eql +z-stream-end+ (%deflate stream +z-finish+))
           (error "zlib did not finish a gzip stream of ~D octets." (length input)))
         total-out))))
+
+(defconstant +z-no-flush+ 0)
+(defconstant +z-sync-flush+ 2)
+(defconstant +z-buf-error+ -5
+  "deflate's answer when it could make no progress: not an error here.")
+
+(defun gzip-more-octets (stream input start end flush)
+  "Feed the octets of INPUT from START below END to STREAM, a gzip stream
+under way, and return what it wrote meanwhile, as new octets: with FLUSH
+:MORE what it chose to, :FLUSH everything so far (a sync flush, so that
+the client can decode all it got), :FINISH the rest and the gzip trailer."
+  (declare (type (simple-array (unsigned-byte 8) (*)) input) (type fixnum start end))
+  (let ((mode (ecase flush (:more +z-no-flush+) (:flush +z-sync-flush+) (:finish +z-finish+)))
+        (output (make-array 16384 :element-type '(unsigned-byte 8)))
+        (pieces '()))
+    (cffi:with-pointer-to-vector-data (in input)
+      (cffi:with-foreign-slots ((next-in avail-in next-out avail-out) stream (:struct z-stream))
+        (setf next-in (cffi:inc-pointer in start) avail-in (- end start))
+        (loop
+          (let ((result (cffi:with-pointer-to-vector-data (out output)
+                          (setf next-out out avail-out (length output))
+                          (%deflate stream mode))))
+            (unless (member result (list +z-ok+ +z-stream-end+ +z-buf-error+))
+              (error "zlib failed (~D) in a gzip stream." result))
+            (push (subseq output 0 (- (length output) avail-out)) pieces)
+            (when (or (eql result +z-stream-end+) (eql result +z-buf-error+)
+                      (and (/= mode +z-finish+) (plusp avail-out) (zerop avail-in)))
+              (return))))))
+    (apply #'concatenate '(simple-array (unsigned-byte 8) (*)) (nreverse pieces))))

@@ -6,9 +6,10 @@
 ;;;; not, and a coded one an entity tag of its own.  Each worker keeps its
 ;;;; compressors (a gzip stream, a Zstandard context) from its first coded
 ;;;; reply to its end.  Coded here: the replies the engine writes as
-;;;; octets (reply.lisp) and the static files serve-static-file reads
-;;;; (static-files.lisp); a reply streamed through SEND-HEADERS is sent as
-;;;; the handler writes it.
+;;;; octets (reply.lisp), the static files serve-static-file reads
+;;;; (static-files.lisp), and with gzip a reply streamed through
+;;;; SEND-HEADERS, chunk by chunk as the handler writes it, everything
+;;;; written sent at each FORCE-OUTPUT.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -116,3 +117,33 @@ headers set by MARK-CODED-REPLY, else BODY as it is."
             (progn (mark-coded-reply (car coding))
                    (coded-octets (car coding) (cdr coding)
                                  (if (stringp body) (ascii-string-octets body) body)))))))
+
+(defvar *deciding-reply-coding* nil
+  "True while CODE-STREAMED-REPLY looks at and sets the reply's headers,
+which it reads through HUNCHENTOOT:HEADERS-OUT, whose method calls it.")
+
+(defun code-streamed-reply (request)
+  "When the reply whose head START-OUTPUT is about to send is streamed (its
+length unknown: chunked) and could be coded, say it varies; when gzip is
+among the acceptor's codings and REQUEST's client accepts it, mark it
+coded and make the connection's stream one that gzips what the handler
+writes (START-OUTPUT turns its chunking on), with this worker's gzip
+stream.  Zstandard and Brotli code only replies whose octets are known."
+  (let* ((acceptor hunchentoot:*acceptor*)
+         (stream (current-connection-stream))
+         (level (cdr (assoc :gzip (acceptor-compression acceptor)))))
+    (when (and *serving* level
+               (equal (hunchentoot:header-out :transfer-encoding) "chunked")
+               (null (hunchentoot:header-out :content-encoding))
+               ;; A request's own chunked body stream: its reply is sent as it is.
+               (not (typep stream 'chunga:chunked-stream))
+               (codable-reply-p acceptor (hunchentoot:return-code*) (hunchentoot:content-type*)
+                                most-positive-fixnum))
+      (add-vary-accept-encoding)
+      (when (accepted-coding (hunchentoot:header-in :accept-encoding request) '(:gzip))
+        (mark-coded-reply :gzip)
+        (let ((gzip (gzip-stream-of (worker-coders) level)))
+          (reset-gzip-stream gzip)
+          (setf (current-connection-stream)
+                (make-filtered-chunked-stream
+                 stream (lambda (octets start end mode) (gzip-more-octets gzip octets start end mode)))))))))

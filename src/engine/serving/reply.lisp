@@ -23,6 +23,11 @@ acceptor closes an idle connection after KEEP-ALIVE-TIMEOUT, and a client
 told otherwise would send its next request on a connection being closed.
 Hunchentoot's (SETF HEADER-OUT) cannot be specialized on the reply, its
 optional argument: hence the reader."
+  (when (and (headers-sent-p) *serving* (not *deciding-reply-coding*)
+             (acceptor-compression hunchentoot:*acceptor*))
+    ;; A streamed reply's head, about to be sent: coded from here on?
+    (let ((*deciding-reply-coding* t))
+      (code-streamed-reply hunchentoot:*request*)))
   (let ((headers (call-next-method)))
     (when (headers-sent-p)
       (refuse-unsafe-header-values reply)
