@@ -177,6 +177,7 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (:file "postgresql-sessions")
                (:file "websocket-frames")
                (:file "websockets")
+               (:file "permessage-deflate")
                (:file "deferred-replies")
                (:file "event-streams")
                (:file "channel-bus")

@@ -59,6 +59,91 @@ else a new one from BUDGET; NIL when BUDGET has no room."
                 (let-go-of-counted-octets (cdr old)))))
           frame))))
 
+(defconstant +websocket-deflate-level+ 1
+  "The deflate level of the messages the server compresses: the fastest,
+as most messages are short and sent to many.")
+
+(defconstant +idle-deflaters+ 8
+  "The most raw deflate streams kept between sends for the next; a thread
+that finds none makes one.")
+
+(defvar *idle-deflaters* '()
+  "Raw deflate streams no send is using, as (WINDOW-BITS . STREAM).")
+
+(defvar *idle-deflaters-lock* (bt:make-lock "idle deflaters"))
+
+(defun deflated-payload (octets window-bits)
+  "OCTETS as a permessage-deflate message carries them, deflated with a
+window of WINDOW-BITS by a deflate stream of *IDLE-DEFLATERS* or a new one,
+from any thread."
+  (let ((deflater (bt:with-lock-held (*idle-deflaters-lock*)
+                    (let ((entry (find window-bits *idle-deflaters* :key #'car)))
+                      (when entry
+                        (setf *idle-deflaters* (remove entry *idle-deflaters* :count 1 :test #'eq))
+                        (cdr entry))))))
+    (unless deflater
+      (setf deflater (make-raw-deflate-stream +websocket-deflate-level+ window-bits)))
+    (unwind-protect (raw-deflate-message deflater octets)
+      (unless (bt:with-lock-held (*idle-deflaters-lock*)
+                (when (< (length *idle-deflaters*) +idle-deflaters+)
+                  (push (cons window-bits deflater) *idle-deflaters*)))
+        (free-gzip-stream deflater)))))
+
+(defvar *last-deflated-frame* nil
+  "The compressed frame of the last message compressed, as (MESSAGE
+WINDOW-BITS PAYLOAD COUNTED-OCTETS), PAYLOAD its octets before
+compression: a send of the same MESSAGE, unchanged, to a client with the
+same window shares the frame, as *LAST-MESSAGE-FRAME* shares plain ones.")
+
+(defun message-octets-of (opcode message)
+  (if (= opcode +text-opcode+) (string-utf-8-octets message) message))
+
+(defun payload-of-p (payload opcode message)
+  "True when PAYLOAD is the octets of MESSAGE, of OPCODE, as it is now."
+  (and (= (length payload) (message-payload-length opcode message))
+       (if (= opcode +text-opcode+)
+           (utf-8-encodes-p message payload 0)
+           (not (mismatch payload message)))))
+
+(defun deflated-message-frame (opcode message window-bits budget)
+  "The frame of OPCODE carrying MESSAGE compressed with WINDOW-BITS, as
+COUNTED-OCTETS held once for the caller, shared with the last send of the
+same message unchanged; NIL when BUDGET has no room."
+  (let ((last *last-deflated-frame*))
+    (destructuring-bind (&optional last-message last-bits last-payload last-frame) last
+      (if (and last (eq last-message message) (eql last-bits window-bits)
+               (payload-of-p last-payload opcode message)
+               (hold-counted-octets last-frame))
+          last-frame
+          (let* ((payload (message-octets-of opcode message))
+                 (deflated (deflated-payload payload window-bits))
+                 (frame (make-counted-octets budget (+ (frame-head-length (length deflated)) (length deflated)))))
+            (when frame
+              (let ((octets (counted-octets-octets frame)))
+                (replace octets deflated :start1 (write-frame-head octets opcode (length deflated) 0 t)))
+              (when (hold-counted-octets frame)
+                (let ((old (loop for old = *last-deflated-frame*
+                                 until (compare-and-swap (symbol-value '*last-deflated-frame*) old
+                                                         (list message window-bits
+                                                               (if (= opcode +text-opcode+) payload (copy-seq payload))
+                                                               frame))
+                                 finally (return old))))
+                  (when old
+                    (let-go-of-counted-octets (fourth old))))))
+            frame)))))
+
+(defun websocket-frame (websocket opcode message budget)
+  "The frame of OPCODE carrying MESSAGE for WEBSOCKET: compressed when
+permessage-deflate was agreed and the message is a text or binary one of
+at least the acceptor's :COMPRESSION-MIN-BYTES, else plain."
+  (let ((window-bits (websocket-deflate-window-bits websocket)))
+    (if (and window-bits
+             (member opcode (list +text-opcode+ +binary-opcode+))
+             (>= (message-payload-length opcode message)
+                 (acceptor-compression-min-bytes (websocket-acceptor websocket))))
+        (deflated-message-frame opcode message window-bits budget)
+        (message-frame opcode message budget))))
+
 (defun send-message-to-client (client opcode message)
   "Send CLIENT a frame of OPCODE carrying MESSAGE (a simple string for
 text, octets for binary).  True when it is sent or waits to be; NIL when
@@ -66,7 +151,7 @@ CLIENT is closing or closed, or the frame does not fit what may wait for it
 or the memory budget (the client is then closed, with 1008 or 1013)."
   (let ((websocket (client-websocket client)))
     (when (and websocket (websocket-open-p websocket))
-      (let* ((frame (message-frame opcode message (readiness-set-memory-budget (websocket-set websocket))))
+      (let* ((frame (websocket-frame websocket opcode message (readiness-set-memory-budget (websocket-set websocket))))
              (offered (if frame
                           (offer-outbox-octets websocket frame)
                           (refuse-outbox-send websocket 1013))))

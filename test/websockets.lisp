@@ -46,7 +46,8 @@
 
 ;;; A client.
 
-(defun websocket-handshake-text (path &key (key "dGhlIHNhbXBsZSBub25jZQ==") (version "13") protocol origin user-agent)
+(defun websocket-handshake-text (path &key (key "dGhlIHNhbXBsZSBub25jZQ==") (version "13") protocol origin user-agent
+                                            extensions)
   (apply #'crlf-lines
          (remove nil (list (format nil "GET ~A HTTP/1.1" path)
                            "Host: 127.0.0.1" "Upgrade: websocket" "Connection: Upgrade"
@@ -55,6 +56,7 @@
                            (and protocol (format nil "Sec-WebSocket-Protocol: ~A" protocol))
                            (and origin (format nil "Origin: ~A" origin))
                            (and user-agent (format nil "User-Agent: ~A" user-agent))
+                           (and extensions (format nil "Sec-WebSocket-Extensions: ~A" extensions))
                            ""))))
 
 (defun read-reply-head (socket &key (timeout 10))
@@ -115,8 +117,8 @@
         (setf (aref octets index) octet)))))
 
 (defun read-frame (socket &key (timeout 10))
-  "The opcode, payload and FIN of the next frame the server sent; NIL at
-the end of the connection or after TIMEOUT seconds."
+  "The opcode, payload, FIN, MASK and RSV1 of the next frame the server
+sent; NIL at the end of the connection or after TIMEOUT seconds."
   (let* ((deadline (+ (get-internal-real-time) (* timeout internal-time-units-per-second)))
          (head (read-exactly socket 2 deadline)))
     (when head
@@ -128,7 +130,8 @@ the end of the connection or after TIMEOUT seconds."
                        (t short)))
              (payload (and length (read-exactly socket length deadline))))
         (when payload
-          (values (ldb (byte 4 0) (aref head 0)) payload (logbitp 7 (aref head 0)) (logbitp 7 (aref head 1))))))))
+          (values (ldb (byte 4 0) (aref head 0)) payload (logbitp 7 (aref head 0)) (logbitp 7 (aref head 1))
+                  (logbitp 6 (aref head 0))))))))
 
 (defun read-text (socket &key (timeout 10))
   "The next text message's string, or the opcode of another frame."

@@ -52,17 +52,25 @@
 (cffi:defcfun ("deflateBound" %deflate-bound) :unsigned-long
   (stream :pointer) (source-length :unsigned-long))
 
-(defun make-gzip-stream (level)
-  "A new deflate stream writing gzip at LEVEL (1 to 9), in foreign memory;
-free it with FREE-GZIP-STREAM."
+(defun make-zeroed-z-stream ()
   (let ((stream (cffi:foreign-alloc '(:struct z-stream))))
-    (dotimes (index (cffi:foreign-type-size '(:struct z-stream)))
-      (setf (cffi:mem-aref stream :uint8 index) 0))
-    (unless (eql +z-ok+ (%deflate-init2 stream level +z-deflated+ +gzip-window-bits+ 8 0
+    (dotimes (index (cffi:foreign-type-size '(:struct z-stream)) stream)
+      (setf (cffi:mem-aref stream :uint8 index) 0))))
+
+(defun make-deflate-stream (level window-bits)
+  "A new deflate stream at LEVEL with deflateInit2's WINDOW-BITS (negative
+for raw deflate, over 15 for gzip), in foreign memory; free it with
+FREE-GZIP-STREAM."
+  (let ((stream (make-zeroed-z-stream)))
+    (unless (eql +z-ok+ (%deflate-init2 stream level +z-deflated+ window-bits 8 0
                                         (%zlib-version) (cffi:foreign-type-size '(:struct z-stream))))
       (cffi:foreign-free stream)
-      (error "zlib refused a gzip stream of level ~D." level))
+      (error "zlib refused a deflate stream of level ~D and window bits ~D." level window-bits))
     stream))
+
+(defun make-gzip-stream (level)
+  "A new deflate stream writing gzip at LEVEL (1 to 9)."
+  (make-deflate-stream level +gzip-window-bits+))
 
 (defun free-gzip-stream (stream)
   (%deflate-end stream)
@@ -118,3 +126,89 @@ the client can decode all it got), :FINISH the rest and the gzip trailer."
                       (and (/= mode +z-finish+) (plusp avail-out) (zerop avail-in)))
               (return))))))
     (apply #'concatenate '(simple-array (unsigned-byte 8) (*)) (nreverse pieces))))
+
+;;; Raw deflate, as permessage-deflate (RFC 7692) carries it.
+
+(defconstant +raw-deflate-window-bits+ -15
+  "deflateInit2's and inflateInit2's window bits for raw deflate with the
+largest window.")
+
+(cffi:defcfun ("inflateInit2_" %inflate-init2) :int
+  (stream :pointer) (window-bits :int) (version :string) (stream-size :int))
+
+(cffi:defcfun ("inflate" %inflate) :int
+  (stream :pointer) (flush :int))
+
+(cffi:defcfun ("inflateReset" %inflate-reset) :int
+  (stream :pointer))
+
+(cffi:defcfun ("inflateEnd" %inflate-end) :int
+  (stream :pointer))
+
+(defun make-inflate-stream ()
+  "A new raw inflate stream, in foreign memory; free it with FREE-INFLATE-STREAM."
+  (let ((stream (make-zeroed-z-stream)))
+    (unless (eql +z-ok+ (%inflate-init2 stream +raw-deflate-window-bits+ (%zlib-version)
+                                        (cffi:foreign-type-size '(:struct z-stream))))
+      (cffi:foreign-free stream)
+      (error "zlib refused an inflate stream."))
+    stream))
+
+(defun free-inflate-stream (stream)
+  (%inflate-end stream)
+  (cffi:foreign-free stream))
+
+(defparameter *deflate-block-end* (make-array 4 :element-type '(unsigned-byte 8) :initial-contents '(0 0 255 255))
+  "The empty stored block a sync flush ends with, which permessage-deflate
+leaves out of a message (RFC 7692 7.2.1) and puts back to inflate it.")
+
+(defun inflate-octets (stream input start end limit take)
+  "Inflate the raw deflate octets of INPUT from START below END, then
+*DEFLATE-BLOCK-END*, through STREAM, reset first.  The inflated octets, as
+new octets; :TOO-LARGE as soon as they would pass LIMIT; :CORRUPT when the
+input is not deflate.  TAKE, a function of a count of octets, is called
+before each piece of output is made, and may refuse it (NIL): then
+:REFUSED."
+  (declare (type (simple-array (unsigned-byte 8) (*)) input) (type fixnum start end limit))
+  (%inflate-reset stream)
+  (let ((pieces '())
+        (total 0)
+        (ended nil))
+    (flet ((feed (octets from to)
+             (cffi:with-pointer-to-vector-data (in octets)
+               (cffi:with-foreign-slots ((next-in avail-in next-out avail-out) stream (:struct z-stream))
+                 (setf next-in (cffi:inc-pointer in from) avail-in (- to from))
+                 (loop while (and (plusp avail-in) (not ended))
+                       do (let* ((size (min 65536 (1+ (- limit total))))
+                                 (output (if (funcall take size)
+                                             (make-array size :element-type '(unsigned-byte 8))
+                                             (return-from inflate-octets :refused)))
+                                 (result (cffi:with-pointer-to-vector-data (out output)
+                                           (setf next-out out avail-out size)
+                                           (%inflate stream +z-sync-flush+)))
+                                 (count (- size avail-out)))
+                            (push (if (= count size) output (subseq output 0 count)) pieces)
+                            (incf total count)
+                            ;; A message may end with a final block: what
+                            ;; follows it, the block end put back, is left.
+                            (setf ended (eql result +z-stream-end+))
+                            (cond ((> total limit) (return-from inflate-octets :too-large))
+                                  ((not (member result (list +z-ok+ +z-stream-end+ +z-buf-error+)))
+                                   (return-from inflate-octets :corrupt))
+                                  ((and (eql result +z-buf-error+) (zerop count))
+                                   (return-from inflate-octets :corrupt)))))))))
+      (feed input start end)
+      (feed *deflate-block-end* 0 4))
+    (apply #'concatenate '(simple-array (unsigned-byte 8) (*)) (nreverse pieces))))
+
+(defun make-raw-deflate-stream (level window-bits)
+  "A new raw deflate stream at LEVEL with a window of WINDOW-BITS (9 to 15)."
+  (make-deflate-stream level (- window-bits)))
+
+(defun raw-deflate-message (stream input)
+  "INPUT (octets) deflated through STREAM, reset first, as a
+permessage-deflate message carries it: a sync flush, its final empty
+block (*DEFLATE-BLOCK-END*) left out (RFC 7692 7.2.1)."
+  (%deflate-reset stream)
+  (let ((octets (gzip-more-octets stream input 0 (length input) :flush)))
+    (subseq octets 0 (max 0 (- (length octets) 4)))))

@@ -71,7 +71,9 @@
 ;;;;                      NOTE-WEBSOCKET-PING (websocket-connection.lisp),
 ;;;;                      BEGIN-WEBSOCKET-MESSAGE, KEEP-MESSAGE-OCTETS,
 ;;;;                      WEBSOCKET-MESSAGE-LENGTH (websocket-connection.lisp),
-;;;;                      END-WEBSOCKET-MESSAGE, NOTE-WEBSOCKET-MESSAGE,
+;;;;                      END-WEBSOCKET-MESSAGE, RESERVE-MESSAGE-MEMORY and
+;;;;                      RELEASE-MESSAGE-MEMORY for a message inflated,
+;;;;                      NOTE-WEBSOCKET-MESSAGE,
 ;;;;                      CALL-RESOURCE, FAIL-WEBSOCKET,
 ;;;;                      CLIENT-READS-SLOWER-THAN-IT-SENDS-P.
 
@@ -288,6 +290,15 @@ took is given back and the message timeout stops."
     (when message
       (prog1 (message-octets message)
         (drop-websocket-message websocket)))))
+
+(defun reserve-message-memory (websocket octets)
+  "Take OCTETS from the memory budget for a buffer WEBSOCKET's message is
+inflated into, as a client's input.  True when they fit; give them back
+with RELEASE-MESSAGE-MEMORY."
+  (reserve-memory (readiness-set-memory-budget (websocket-set websocket)) octets :input-p t))
+
+(defun release-message-memory (websocket octets)
+  (release-memory (readiness-set-memory-budget (websocket-set websocket)) octets))
 
 (defun note-websocket-message (websocket)
   "A whole message came from WEBSOCKET's client: counted.  True when the

@@ -32,6 +32,9 @@ REFUSAL-CODE a close code."
   ;; Where the turns are in reading the client's frames: serving's
   ;; (websocket-turn.lisp), kept here between turns, never read here.
   (reader nil :read-only t)
+  ;; The window bits of the messages the server compresses
+  ;; (permessage-deflate), or NIL when it was not agreed.
+  (deflate-window-bits nil :read-only t)
   ;; Times, from the acceptor: internal time units.
   (ping-interval 0 :type fixnum :read-only t)
   (timeout 0 :type fixnum :read-only t)
@@ -56,13 +59,15 @@ REFUSAL-CODE a close code."
   (print-unreadable-object (websocket stream :type t :identity t)
     (format stream "~S" (websocket-state websocket))))
 
-(defun make-websocket (set connection resource client acceptor reader)
+(defun make-websocket (set connection resource client acceptor reader &optional deflate-window-bits)
   "Make CONNECTION, in SET, a WEBSOCKET for CLIENT of RESOURCE, with
-ACCEPTOR's limits and the turns' frame READER, counted open; returns it."
+ACCEPTOR's limits and the turns' frame READER, its messages compressed
+with DEFLATE-WINDOW-BITS when permessage-deflate was agreed, counted open;
+returns it."
   (atomic-increment (readiness-set-websocket-count set))
   (setf (connection-websocket connection)
               (%make-websocket :connection connection :set set :acceptor acceptor :resource resource :client client
-                         :reader reader
+                         :reader reader :deflate-window-bits deflate-window-bits
                          :max-queue-bytes (acceptor-max-websocket-queue-bytes acceptor)
                          :ping-interval (seconds->internal-units (acceptor-websocket-ping-interval acceptor))
                          :timeout (seconds->internal-units (acceptor-websocket-timeout acceptor))

@@ -18,12 +18,15 @@
 coded bound is larger gets a buffer of its own.")
 
 (defstruct (reply-coders (:constructor make-reply-coders ()))
-  "A worker's compressors, each made when first needed."
+  "A worker's compressors, and its inflater of websocket messages, each
+made when first needed."
   ;; A deflate stream writing gzip, and its level.
   (gzip nil)
   (gzip-level 0 :type fixnum)
   ;; A Zstandard compression context.
   (zstd nil)
+  ;; A raw inflate stream, for websocket messages (permessage-deflate).
+  (inflate nil)
   ;; Where replies are coded before their octets are copied out.
   (scratch (make-array 0 :element-type '(unsigned-byte 8)) :type (simple-array (unsigned-byte 8) (*))))
 
@@ -31,13 +34,21 @@ coded bound is larger gets a buffer of its own.")
   "Free the foreign compressors of CODERS (NIL for none)."
   (when coders
     (let ((gzip (shiftf (reply-coders-gzip coders) nil))
-          (zstd (shiftf (reply-coders-zstd coders) nil)))
+          (zstd (shiftf (reply-coders-zstd coders) nil))
+          (inflate (shiftf (reply-coders-inflate coders) nil)))
       (when gzip (free-gzip-stream gzip))
-      (when zstd (free-zstd-context zstd)))))
+      (when zstd (free-zstd-context zstd))
+      (when inflate (free-inflate-stream inflate)))))
 
 (defun worker-coders ()
   (or (serving-coders *serving*)
       (setf (serving-coders *serving*) (make-reply-coders))))
+
+(defun worker-inflate-stream ()
+  "This worker's raw inflate stream."
+  (let ((coders (worker-coders)))
+    (or (reply-coders-inflate coders)
+        (setf (reply-coders-inflate coders) (make-inflate-stream)))))
 
 (defun gzip-stream-of (coders level)
   (unless (and (reply-coders-gzip coders) (= level (reply-coders-gzip-level coders)))

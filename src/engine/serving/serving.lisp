@@ -69,11 +69,13 @@
   ;; websocket; NIL otherwise.
   (upgrade nil))
 
-(defstruct (websocket-upgrade (:constructor make-websocket-upgrade (resource client)))
+(defstruct (websocket-upgrade (:constructor make-websocket-upgrade (resource client deflate-window-bits)))
   "A websocket handshake accepted, its 101 not sent yet: the resource and
-the client made for it."
+the client made for it, and the server's window bits when permessage-deflate
+was agreed, else NIL."
   (resource nil :read-only t)
-  (client nil :read-only t))
+  (client nil :read-only t)
+  (deflate-window-bits nil :read-only t))
 
 (defmethod print-object ((serving serving) stream)
   ;; Backtraces print it: never the buffer, which holds other clients' octets.

@@ -52,7 +52,12 @@ or 426 with what is wrong.  Returns the body, as a dispatched handler."
                      (websocket-accept-value (cdr (assoc :sec-websocket-key headers))))
                (when subprotocol
                  (setf (hunchentoot:header-out :sec-websocket-protocol) subprotocol))
-               (setf (serving-upgrade *serving*) (make-websocket-upgrade resource client))
+               (multiple-value-bind (extension window-bits)
+                   (and (acceptor-compression hunchentoot:*acceptor*)
+                        (accept-permessage-deflate (cdr (assoc :sec-websocket-extensions headers))))
+                 (when extension
+                   (setf (hunchentoot:header-out :sec-websocket-extensions) extension))
+                 (setf (serving-upgrade *serving*) (make-websocket-upgrade resource client window-bits)))
                ""))))))
 
 (defmethod hunchentoot:acceptor-dispatch-request ((acceptor parallel-acceptor) request)
@@ -80,13 +85,18 @@ END to WEBSOCKET's resource.  :CLOSE when the resource failed, else NIL."
 
 ;;; Frames.
 
-(defstruct (frame-reader (:constructor make-frame-reader (max-message-bytes)))
+(defstruct (frame-reader (:constructor make-frame-reader (max-message-bytes deflate-p)))
   "Where a websocket's turns are in reading its client's frames: the
 holder's alone, kept in the websocket's READER between turns."
-  ;; The largest message, octets, from the acceptor.
+  ;; The largest message, octets, from the acceptor: compressed as it
+  ;; arrives, and inflated.
   (max-message-bytes 0 :type fixnum :read-only t)
+  ;; Whether permessage-deflate was agreed in the handshake.
+  (deflate-p nil :read-only t)
   ;; The opcode of the message being read; NIL between messages.
   (message-opcode nil)
+  ;; Whether that message is compressed (RSV1 on its first frame).
+  (compressed-p nil)
   ;; The frame being read: whether its head has been read, then its
   ;; opcode, whether it ends its message, its masking key, the payload
   ;; octets still to come and those read so far.
@@ -114,7 +124,7 @@ else NIL."
               (frame-reader-max-message-bytes (websocket-reader websocket)))
            1009))))
 
-(defun begin-frame (websocket fin-p opcode length mask)
+(defun begin-frame (websocket fin-p opcode length mask compressed-p)
   (let ((reader (websocket-reader websocket)))
     (setf (frame-reader-in-frame-p reader) t
           (frame-reader-fin-p reader) fin-p
@@ -126,6 +136,7 @@ else NIL."
            (setf (frame-reader-control reader) (make-array length :element-type '(unsigned-byte 8))))
           ((/= opcode +continuation-opcode+)
            (setf (frame-reader-message-opcode reader) opcode
+                 (frame-reader-compressed-p reader) compressed-p
                  (frame-reader-utf-8-state reader) 0)
            (begin-websocket-message websocket)))))
 
@@ -157,7 +168,8 @@ when the connection is to close, else NIL."
     (if (control-opcode-p opcode)
         (replace (frame-reader-control reader) buffer :start1 read :start2 start :end2 end)
         (let ((message-opcode (frame-reader-message-opcode reader)))
-          (when (= message-opcode +text-opcode+)
+          ;; A compressed text's UTF-8 is checked once it is inflated.
+          (when (and (= message-opcode +text-opcode+) (not (frame-reader-compressed-p reader)))
             (let ((state (scan-utf-8 (frame-reader-utf-8-state reader) buffer start end)))
               (unless state
                 (return-from take-payload (fail-websocket websocket 1007 "Invalid UTF-8")))
@@ -184,15 +196,41 @@ when the connection is to close, else NIL."
 (defun end-message (websocket &optional octets start end)
   "The last frame of WEBSOCKET's message has arrived: hand the message on,
 its payload the OCTETS from START below END when given (none were kept),
-else the octets kept of it, unless a text ends in the middle of a character (1007).  :CLOSE when
-the connection is to close."
+else the octets kept of it, inflated when it is compressed, unless a text
+ends in the middle of a character (1007).  :CLOSE when the connection is
+to close."
   (let* ((reader (websocket-reader websocket))
          (opcode (shiftf (frame-reader-message-opcode reader) nil))
          (kept (end-websocket-message websocket)))
-    (cond ((and (= opcode +text-opcode+) (/= 0 (frame-reader-utf-8-state reader)))
+    (unless octets
+      (setf octets kept start 0 end (length kept)))
+    (cond ((frame-reader-compressed-p reader)
+           (deliver-inflated-message websocket opcode octets start end))
+          ((and (= opcode +text-opcode+) (/= 0 (frame-reader-utf-8-state reader)))
            (fail-websocket websocket 1007 "Invalid UTF-8"))
-          (octets (deliver-message websocket opcode octets start end))
-          (t (deliver-message websocket opcode kept 0 (length kept))))))
+          (t (deliver-message websocket opcode octets start end)))))
+
+(defun deliver-inflated-message (websocket opcode octets start end)
+  "Inflate the compressed message of OPCODE whose payload is the OCTETS from
+START below END, each piece of it taken from the memory budget, and hand
+it on: 1009 when it inflates past the acceptor's largest message (a
+deflate bomb), 1007 when it is not deflate or not UTF-8 text, 1013 when
+the budget has no room.  :CLOSE when the connection is to close."
+  (let* ((reserved 0)
+         (inflated (inflate-octets (worker-inflate-stream) octets start end
+                                   (frame-reader-max-message-bytes (websocket-reader websocket))
+                                   (lambda (octets)
+                                     (when (reserve-message-memory websocket octets)
+                                       (incf reserved octets))))))
+    (unwind-protect
+         (case inflated
+           (:too-large (fail-websocket websocket 1009 "Message too big"))
+           (:corrupt (fail-websocket websocket 1007 "Invalid compressed data"))
+           (:refused (fail-websocket websocket 1013 "Out of memory"))
+           (t (if (and (= opcode +text-opcode+) (not (eql 0 (scan-utf-8 0 inflated 0 (length inflated)))))
+                  (fail-websocket websocket 1007 "Invalid UTF-8")
+                  (deliver-message websocket opcode inflated 0 (length inflated)))))
+      (release-message-memory websocket reserved))))
 
 (defun read-frames (websocket buffer end)
   "Act on the frames in BUFFER below END, their octets having arrived
@@ -209,14 +247,15 @@ head of a frame begins (END when there is none), or :CLOSE."
                (when (and (= position end) (frame-reader-in-frame-p reader))
                  (return end))))
             (t
-             (multiple-value-bind (status fin-p opcode length mask head-end) (parse-frame-head buffer position end)
+             (multiple-value-bind (status fin-p opcode length mask head-end)
+                 (parse-frame-head buffer position end (frame-reader-deflate-p reader))
                (case status
                  (:incomplete (return position))
                  (:complete
                   (let ((refusal (frame-sequence-refusal websocket opcode length)))
                     (when refusal
                       (return (fail-websocket websocket refusal (if (eql refusal 1009) "Message too big" "Protocol error")))))
-                  (begin-frame websocket fin-p opcode length mask)
+                  (begin-frame websocket fin-p opcode length mask (frame-compressed-p buffer position))
                   (setf position head-end))
                  (t (return (fail-websocket websocket status "Protocol error"))))))))))
 
@@ -269,8 +308,11 @@ what the client has sent.  The turn's outcome."
          (resource (websocket-upgrade-resource upgrade))
          (client (websocket-upgrade-client upgrade))
          (acceptor (serving-acceptor serving))
+         (window-bits (websocket-upgrade-deflate-window-bits upgrade))
          (websocket (make-websocket (serving-set serving) connection resource client acceptor
-                                    (make-frame-reader (acceptor-max-websocket-message-bytes acceptor)))))
+                                    (make-frame-reader (acceptor-max-websocket-message-bytes acceptor)
+                                                       (and window-bits t))
+                                    window-bits)))
     (setf (client-websocket client) websocket)
     (add-resource-client resource client)
     (if (call-resource websocket 'ws:client-connected)

@@ -32,11 +32,17 @@ reserved ones from 11)."
 
 ;;; The head of a client's frame.
 
-(defun parse-frame-head (buffer start end)
+(defun frame-compressed-p (buffer start)
+  "True when the frame whose head begins at START in BUFFER has RSV1 set:
+with permessage-deflate, the first frame of a compressed message."
+  (logbitp 6 (aref buffer start)))
+
+(defun parse-frame-head (buffer start end &optional deflate-p)
   "Read the head of a client's frame from BUFFER at START, the octets that
 have arrived ending at END.  Returns :INCOMPLETE when the head has not all
 arrived; 1002 (the close code of a protocol error) when the head is
-refused -- a reserved bit set (no extension is negotiated), a reserved
+refused -- a reserved bit set (but RSV1 on the first frame of a message
+when DEFLATE-P, permessage-deflate negotiated), a reserved
 opcode, an unmasked frame, a control frame fragmented or over 125 octets, a
 64-bit length with its top bit set; else :COMPLETE, whether it is the last
 frame of its message, its opcode, its payload length, its masking key as
@@ -51,7 +57,9 @@ an integer (the four octets big-endian), and the position of its payload."
          (short-length (ldb (byte 7 0) second))
          (length-octets (case short-length (126 2) (127 8) (t 0)))
          (head-end (+ start 2 length-octets 4)))
-    (cond ((or (plusp (ldb (byte 3 4) first))
+    (cond ((or (plusp (ldb (byte 2 4) first))
+               (and (logbitp 6 first)
+                    (not (and deflate-p (member opcode (list +text-opcode+ +binary-opcode+)))))
                (not (known-opcode-p opcode))
                (not (logbitp 7 second))
                (and (control-opcode-p opcode)
@@ -93,12 +101,13 @@ with the octet of the masking key MASK at its position modulo 4."
         ((<= payload-length #xFFFF) 4)
         (t 10)))
 
-(defun write-frame-head (frame opcode length &optional (start 0))
+(defun write-frame-head (frame opcode length &optional (start 0) compressed-p)
   "Write the head of a final frame of OPCODE carrying LENGTH octets into
-FRAME at START; the position its payload begins at."
+FRAME at START, with RSV1 set when COMPRESSED-P (a permessage-deflate
+message); the position its payload begins at."
   (declare (type octets frame) (type fixnum start))
   (let ((head-length (frame-head-length length)))
-    (setf (aref frame start) (logior #x80 opcode))
+    (setf (aref frame start) (logior #x80 (if compressed-p #x40 0) opcode))
     (case head-length
       (2 (setf (aref frame (+ start 1)) length))
       (4 (setf (aref frame (+ start 1)) 126

@@ -68,3 +68,52 @@ of the SHA-1 of KEY and *WEBSOCKET-GUID*."
 that the Sec-WebSocket-Protocol value OFFERED names, or NIL."
   (let ((tokens (header-tokens offered)))
     (find-if (lambda (protocol) (member protocol tokens :test #'string=)) supported)))
+
+;;; permessage-deflate (RFC 7692), the one extension negotiated.
+
+(defun window-bits-value (text)
+  "The window bits TEXT says, an integer from 8 to 15, or NIL."
+  (and text (<= 1 (length text) 2) (every #'digit-char-p text)
+       (let ((bits (parse-integer text))) (and (<= 8 bits 15) bits))))
+
+(defun deflate-offer-window (parameters)
+  "The server_max_window_bits the permessage-deflate offer of PARAMETERS
+(trimmed strings, \"name\" or \"name=value\") asks for, 15 when it asks
+none; NIL when the offer cannot be accepted: a parameter unknown,
+repeated or with a wrong value, or a server window under 9 bits (zlib
+writes none of 8)."
+  (let ((seen '())
+        (server-bits 15))
+    (dolist (parameter parameters server-bits)
+      (let* ((equals (position #\= parameter))
+             (name (string-downcase (string-trim '(#\Space #\Tab) (subseq parameter 0 equals))))
+             (value (and equals (string-trim '(#\Space #\Tab #\") (subseq parameter (1+ equals))))))
+        (when (member name seen :test #'string=)
+          (return nil))
+        (push name seen)
+        (cond ((member name '("server_no_context_takeover" "client_no_context_takeover") :test #'string=)
+               (when value (return nil)))
+              ((string= name "server_max_window_bits")
+               (let ((bits (window-bits-value value)))
+                 (if (and bits (<= 9 bits)) (setf server-bits bits) (return nil))))
+              ((string= name "client_max_window_bits")
+               (when (and value (not (window-bits-value value)))
+                 (return nil)))
+              (t (return nil)))))))
+
+(defun accept-permessage-deflate (offers)
+  "The Sec-WebSocket-Extensions answer accepting the first permessage-deflate
+offer of OFFERS (the client's header value, NIL for none) the engine can
+honour, and the server window bits it agreed to; NIL when there is none.
+The answer asks no context takeover of both sides, so that nothing of a
+websocket's compression outlives a message."
+  (dolist (offer (header-tokens offers))
+    (let ((parts (mapcar (lambda (part) (string-trim '(#\Space #\Tab) part))
+                         (uiop:split-string offer :separator ";"))))
+      (when (string-equal (first parts) "permessage-deflate")
+        (let ((bits (deflate-offer-window (remove "" (rest parts) :test #'string=))))
+          (when bits
+            (return (values (format nil "permessage-deflate; server_no_context_takeover; ~
+                                         client_no_context_takeover~:[; server_max_window_bits=~D~;~*~]"
+                                    (= bits 15) bits)
+                            bits))))))))
