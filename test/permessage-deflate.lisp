@@ -125,15 +125,30 @@ it was."
         (is-true (failed-with-p socket 1002))
         (usocket:socket-close socket)))))
 
+(defun megabyte-bomb ()
+  "About 1 MB of deflate that inflates to about a gigabyte of zeros: the
+sync-flushed deflate of 8 MiB of zeros, its blocks repeated."
+  (let* ((block (concatenate '(simple-array (unsigned-byte 8) (*))
+                             (deflated (make-array (* 8 1024 1024) :element-type '(unsigned-byte 8) :initial-element 0))
+                             #(0 0 255 255)))
+         (count (floor 1000000 (length block))))
+    (subseq (apply #'concatenate '(simple-array (unsigned-byte 8) (*)) (loop repeat count collect block))
+            0 (- (* count (length block)) 4))))
+
 (test permessage-deflate.bomb-closes-1009-others-go-on
   (with-thread-leak-check ()
     (with-server (server (deflate-server))
-      (let ((bomb (deflated (make-array (* 8 1024 1024) :element-type '(unsigned-byte 8) :initial-element 0))))
+      (let ((bomb (deflated (make-array (* 8 1024 1024) :element-type '(unsigned-byte 8) :initial-element 0)))
+            (megabyte (megabyte-bomb)))
         (is (< (length bomb) (* 16 1024)) "8 MiB of zeros deflate to ~D octets" (length bomb))
+        (is (< 900000 (length megabyte) 1000001))
         (with-websocket (other server "/echo" :extensions "permessage-deflate")
           (with-websocket (socket server "/echo" :extensions "permessage-deflate")
             (send-frame socket 2 bomb :rsv 4)
             (is-true (failed-with-p socket 1009) "inflated past :max-websocket-message-bytes: 1009"))
+          (with-websocket (socket server "/echo" :extensions "permessage-deflate")
+            (send-frame socket 2 megabyte :rsv 4)
+            (is-true (failed-with-p socket 1009) "a 1 MB bomb, a gigabyte inflated: 1009"))
           (send-frame other 1 "still here")
           (is (equal "still here" (read-text other))))
         (is (<= (stats server :memory-held-bytes) (* 64 1024))
