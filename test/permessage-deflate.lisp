@@ -81,7 +81,10 @@ it was."
             (multiple-value-bind (opcode octets) (read-message socket)
               (is (eql 2 opcode))
               (is (equalp (lorem-octets 20) octets) "fragmented, it comes back whole")))
-          ;; Not compressed, on the same websocket; too short to be compressed back.
+          ;; An empty compressed message, then one not compressed, on the
+          ;; same websocket; too short to be compressed back.
+          (send-frame socket 1 #() :rsv 4)
+          (is (equal "" (read-text socket)) "an empty compressed message is the empty text")
           (send-frame socket 1 "plain")
           (multiple-value-bind (opcode payload compressed-p) (read-message socket)
             (is (eql 1 opcode))

@@ -203,7 +203,7 @@ to close."
          (opcode (shiftf (frame-reader-message-opcode reader) nil))
          (kept (end-websocket-message websocket)))
     (unless octets
-      (setf octets kept start 0 end (length kept)))
+      (setf octets (or kept (make-array 0 :element-type '(unsigned-byte 8))) start 0 end (length octets)))
     (cond ((frame-reader-compressed-p reader)
            (deliver-inflated-message websocket opcode octets start end))
           ((and (= opcode +text-opcode+) (/= 0 (frame-reader-utf-8-state reader)))
