@@ -40,9 +40,8 @@
 string in the Prometheus text exposition format (version 0.0.4): each
 family with # HELP and # TYPE, counters named ..._total, gauges, the
 engine's replies by status class and refusals by status, TLS handshakes
-by protocol, and a histogram
-of request durations (from the complete head to the flushed reply) with
-its _bucket, _sum and _count.  Every name starts with PREFIX.  Serve it
+by protocol, and a histogram of request durations (from the complete head
+to the flushed reply) with its _bucket, _sum and _count.  Every name starts with PREFIX.  Serve it
 with Content-Type text/plain; version=0.0.4.  Unspecified: the order of
 the families.  Families of the engine appear once it has been started."
   (let ((statistics (taskmaster-statistics acceptor))
@@ -62,13 +61,10 @@ the families.  Families of the engine appear once it has been started."
                         (write-metric-family out full-name 'counter help)
                         (loop for (class . count) in (getf statistics key)
                               do (format out "~A{class=\"~Dxx\"} ~D~%" full-name class count)))
-                       ((eq kind :by-code)
+                       ((member kind '(:by-code :by-protocol))
                         (write-metric-family out full-name 'counter help)
-                        (loop for (code . count) in (getf statistics key)
-                              do (format out "~A{code=\"~D\"} ~D~%" full-name code count)))
-                       ((eq kind :by-protocol)
-                        (write-metric-family out full-name 'counter help)
-                        (loop for (protocol . count) in (getf statistics key)
-                              do (format out "~A{protocol=\"~A\"} ~D~%" full-name protocol count)))
+                        (loop with label = (if (eq kind :by-code) "code" "protocol")
+                              for (value . count) in (getf statistics key)
+                              do (format out "~A{~A=\"~A\"} ~D~%" full-name label value count)))
                        ((eq kind :histogram-buckets)
                         (write-histogram out statistics full-name help)))))))
