@@ -61,30 +61,27 @@ makes of the data written to it: a reply coded as the handler writes it."))
       (write-sequence octets real)
       (write-byte 13 real) (write-byte 10 real))))
 
-(defun write-filtered (stream mode)
-  (write-chunk-frame stream (funcall (chunk-filter stream) (make-array 0 :element-type '(unsigned-byte 8)) 0 0 mode)))
-
-(defmethod chunga::write-chunk ((stream filtered-chunked-stream) sequence &key (start 0) (end (length sequence)))
-  (let ((octets (if (typep sequence '(simple-array (unsigned-byte 8) (*)))
-                    sequence
-                    (coerce (subseq sequence start end) '(simple-array (unsigned-byte 8) (*))))))
-    (write-chunk-frame stream (if (eq octets sequence)
-                                  (funcall (chunk-filter stream) octets start end :more)
-                                  (funcall (chunk-filter stream) octets 0 (length octets) :more)))))
-
-(defmethod trivial-gray-streams:stream-force-output ((stream filtered-chunked-stream))
+(defun write-filtered-rest (stream mode)
+  "Send, when STREAM's chunking is on, its buffer and then what its filter
+holds, as MODE (:FLUSH or :FINISH) asks."
   (when (chunga:chunked-stream-output-chunking-p stream)
     (chunga::flush-buffer stream)
-    (write-filtered stream :flush))
+    (write-chunk-frame stream (funcall (chunk-filter stream) (make-array 0 :element-type '(unsigned-byte 8)) 0 0 mode))))
+
+(defmethod chunga::write-chunk ((stream filtered-chunked-stream) sequence &key (start 0) (end (length sequence)))
+  (if (typep sequence '(simple-array (unsigned-byte 8) (*)))
+      (write-chunk-frame stream (funcall (chunk-filter stream) sequence start end :more))
+      (let ((octets (coerce (subseq sequence start end) '(simple-array (unsigned-byte 8) (*)))))
+        (write-chunk-frame stream (funcall (chunk-filter stream) octets 0 (length octets) :more)))))
+
+(defmethod trivial-gray-streams:stream-force-output ((stream filtered-chunked-stream))
+  (write-filtered-rest stream :flush)
   (force-output (chunga:chunked-stream-stream stream)))
 
 (defmethod trivial-gray-streams:stream-finish-output ((stream filtered-chunked-stream))
-  (when (chunga:chunked-stream-output-chunking-p stream)
-    (chunga::flush-buffer stream)
-    (write-filtered stream :flush))
+  (write-filtered-rest stream :flush)
   (finish-output (chunga:chunked-stream-stream stream)))
 
 (defmethod (setf chunga:chunked-stream-output-chunking-p) :before (new-value (stream filtered-chunked-stream))
-  (when (and (not new-value) (chunga:chunked-stream-output-chunking-p stream))
-    (chunga::flush-buffer stream)
-    (write-filtered stream :finish)))
+  (unless new-value
+    (write-filtered-rest stream :finish)))

@@ -228,10 +228,11 @@ sent it itself; unspecified: when the octets leave the kernel."
              (let ((content-type (let ((type (or content-type (hunchentoot:mime-type (file-namestring namestring)))))
                                    (if type
                                        (content-type-with-charset type (hunchentoot:reply-external-format*))
-                                       "application/octet-stream"))))
+                                       "application/octet-stream")))
+                   (tag (entity-tag file)))
                (setf (hunchentoot:content-type*) content-type
                      (hunchentoot:header-out :last-modified) (hunchentoot:rfc-1123-date (file-to-send-modified file))
-                     (hunchentoot:header-out :etag) (entity-tag file))
+                     (hunchentoot:header-out :etag) tag)
                (when cache-control
                  (setf (hunchentoot:header-out :cache-control) cache-control))
                (multiple-value-bind (coding codable-p) (and (null sibling) (static-file-coding file content-type))
@@ -241,7 +242,7 @@ sent it itself; unspecified: when the octets leave the kernel."
                        (t (setf (hunchentoot:header-out :accept-ranges) "bytes")
                           (when (file-to-send-content-encoding file)
                             (setf (hunchentoot:header-out :content-encoding) (file-to-send-content-encoding file)))
-                          (send-file-reply hunchentoot:*request* file content-type (entity-tag file))))))
+                          (send-file-reply hunchentoot:*request* file content-type tag)))))
           (close-fd (file-to-send-fd file)))))))
 
 ;;; The folder dispatcher.
