@@ -34,19 +34,21 @@ REV ?= HEAD~1
 SBCL = sbcl --noinform --non-interactive --disable-debugger
 LIBRARY_PACKAGES = sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-flexi-streams \
                    cl-chunga cl-ppcre cl-plus-ssl cl-cffi cl-postmodern cl-ironclad cl-base64 \
-                   zlib1g libzstd1 libbrotli1
+                   zlib1g libzstd1 libbrotli1 libnghttp2-14
 # The test suite's, and what the compatibility suite's libraries (and the
 # Hunchentoot releases HUNCHENTOOT may name) need from Debian.
 TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd postgresql nginx-light gzip brotli zstd \
+                curl nghttp2-client python3-h2 \
                 cl-alexandria cl-base64 cl-md5 cl-rfc2388 cl-trivial-backtrace cl-fad \
                 cl-puri cl-iterate cl-split-sequence cl-trivial-utf-8 cl-global-vars \
                 cl-trivial-garbage cl-trivial-features cl-who chromium
 # Woo, a benchmark peer built from ../shared/vendor, needs libev4 and these.
 BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox procps curl openssl postgresql strace linux-perf \
+                 nghttp2-client \
                  libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \
                  cl-trivial-gray-streams cl-alexandria cl-global-vars cl-trivial-garbage
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-applications bench-https bench-websockets bench-threaded-floor bench-scheduling bench-waits bench-events bench-per-core bench-compression
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-applications bench-https bench-websockets bench-threaded-floor bench-scheduling bench-waits bench-events bench-per-core bench-compression bench-http2
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -129,3 +131,6 @@ bench-per-core: bench-deps
 
 bench-compression: bench-deps
 	bench/run compression
+
+bench-http2: bench-deps
+	bench/run http2

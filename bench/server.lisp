@@ -205,11 +205,12 @@ constructors) is in it too, hence asked of the running server."
   ;; 100 is the thread budget Hunchentoot's default taskmaster has.
   (net.aserve:start :host "127.0.0.1" :port port :listeners 100))
 
-(defun start-server (kind port &key reuse-port worker-scheduling-policy compression)
+(defun start-server (kind port &key reuse-port worker-scheduling-policy compression http2)
   (ecase kind
     (:hunchentoot (start-hunchentoot port 'ht:easy-acceptor))
     ((:parallel :parallel-timer)
      (apply #'start-hunchentoot port 'hrt:parallel-easy-acceptor :reuse-port reuse-port :compression compression
+            :http2 http2
             (and worker-scheduling-policy
                  (list :taskmaster (make-instance 'hrt:recycling-taskmaster
                                                   :worker-scheduling-policy worker-scheduling-policy)))))
@@ -227,10 +228,10 @@ Hunchentoot's folder dispatcher, ours, or AllegroServe's directory."
     (:aserve (net.aserve:publish-directory :prefix "/static/" :destination folder))))
 
 (defun serve (kind port &key (delay-ms 0) reuse-port worker-scheduling-policy static-folder
-                             ssl-port ssl-certificate ssl-key ssl-certificates compression)
+                             ssl-port ssl-certificate ssl-key ssl-certificates compression http2)
   "Start the server KIND on 127.0.0.1:PORT (with SO_REUSEPORT when
 REUSE-PORT, and the taskmaster's WORKER-SCHEDULING-POLICY and the
-acceptor's COMPRESSION when given, ours only), serving STATIC-FOLDER under
+acceptor's COMPRESSION and HTTP2 when given, ours only), serving STATIC-FOLDER under
 /static/ when given,
 and serve until killed.  With SSL-PORT, the server (ours or Hunchentoot's)
 also serves TLS there with the SSL-CERTIFICATE and SSL-KEY files (and
@@ -244,9 +245,10 @@ acceptor."
   (when (and (member kind '(:parallel :parallel-timer)) (plusp (length (or (uiop:getenv "PGDATABASE") ""))))
     (setf hrt:*channel-bus* (hrt:make-postgresql-channel-bus)))
   (start-server kind port :reuse-port reuse-port :worker-scheduling-policy worker-scheduling-policy
-                          :compression compression)
+                          :compression compression :http2 http2)
   (when ssl-port
     (apply #'start-hunchentoot ssl-port (if (eq kind :hunchentoot) 'ht:easy-ssl-acceptor 'hrt:parallel-easy-ssl-acceptor)
            :ssl-certificate-file ssl-certificate :ssl-privatekey-file ssl-key
-           (and ssl-certificates (list :ssl-certificates ssl-certificates))))
+           (append (and ssl-certificates (list :ssl-certificates ssl-certificates))
+                   (and http2 (list :http2 t)))))
   (loop (sleep 3600)))

@@ -179,7 +179,7 @@ separated by semicolons."
             (values (uiop:getenv "TLS_CERT") (or (uiop:getenv "TLS_KEY") (uiop:getenv "TLS_CERT")))
             (self-signed-certificate))
       (make-instance 'hunchentoot-recycling-taskmaster:parallel-easy-ssl-acceptor
-                     :port port :address address :session-store store :compression *compression*
+                     :port port :address address :session-store store :compression *compression* :http2 t
                      :document-root (static-directory)
                      :ssl-certificate-file certificate :ssl-privatekey-file key
                      :ssl-certificates (sni-certificates (or (uiop:getenv "TLS_SNI") ""))))))
@@ -199,7 +199,7 @@ demos share the port.  TLS_PORT serves it over TLS too (above)."
          (acceptor (make-instance 'hunchentoot-recycling-taskmaster:parallel-easy-acceptor
                                   :port port :address address :listen-fd listen-fd
                                   :reuse-port (equal (uiop:getenv "REUSE_PORT") "1")
-                                  :session-store store :compression *compression*
+                                  :session-store store :compression *compression* :http2 t
                                   :document-root (static-directory)))
          (tls-acceptor (make-tls-acceptor tls-port address store)))
     (when store
@@ -216,7 +216,7 @@ demos share the port.  TLS_PORT serves it over TLS too (above)."
     (format t "~&Serving ~:[http://~A:~D/~;~*the socket systemd passed, port ~D~] ~
                (try /yo, /hello?name=you, /slow?ms=500, /wait?ms=500, /events, /publish?msg=hi, /lorem?kb=10, ~
                /count, /stats, /metrics, /index.html, /chat.html), ~
-               sessions ~:[in this process~;in ~:*~A~]. Ctrl-C stops.~%"
+               sessions ~:[in this process~;in ~:*~A~], HTTP/2 too (curl --http2-prior-knowledge). Ctrl-C stops.~%"
             listen-fd address (hunchentoot:acceptor-port acceptor) store)
     (finish-output)
     (let ((signal (wait-for-termination-signal)))

@@ -206,6 +206,17 @@ without a Content-Encoding, for a client that accepts one
    (compression-min-bytes
     :initarg :compression-min-bytes :reader acceptor-compression-min-bytes
     :documentation "The shortest body coded; shorter ones are sent as they are.")
+   (http2
+    :initarg :http2 :reader acceptor-http2-p
+    :documentation "True to speak HTTP/2 too (RFC 9113): h2 when a TLS
+client's ALPN offers it, h2c on a plain port to a client whose first octets
+are HTTP/2's preface (prior knowledge).  NIL by default, as nginx's
+http2 is off: a drop-in changes nothing for browsers until asked.")
+   (http2-max-concurrent-streams
+    :initarg :http2-max-concurrent-streams :reader acceptor-http2-max-concurrent-streams
+    :documentation "The streams of one HTTP/2 connection whose handlers may
+run or wait at once, as its SETTINGS announce; one more is refused
+(REFUSED_STREAM), even when the client reset some of them meanwhile.")
    (own-listen-socket
     :initform nil :accessor acceptor-own-listen-socket
     :documentation "The listening socket this acceptor's START-LISTENING
@@ -251,6 +262,8 @@ or, without one, an IN-PROCESS-SESSIONS (sessions/session-index.lisp)."))
                         "application/xhtml+xml" "application/rss+xml" "application/atom+xml"
                         "application/manifest+json" "application/ld+json" "image/svg+xml")
    :compression-min-bytes 256
+   :http2 nil
+   :http2-max-concurrent-streams 100
    :session-store nil
    :session-store-timeout 2
    ;; Deferred accepting keeps a connection in the kernel's queue of
@@ -310,7 +323,8 @@ requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
              :initarg :max-header-bytes :value bytes
              :reason "must be an integer from 1024 to 1048576")))
   (loop for (initarg bytes) in `((:max-websocket-message-bytes ,(acceptor-max-websocket-message-bytes acceptor))
-                                 (:max-websocket-queue-bytes ,(acceptor-max-websocket-queue-bytes acceptor)))
+                                 (:max-websocket-queue-bytes ,(acceptor-max-websocket-queue-bytes acceptor))
+                                 (:http2-max-concurrent-streams ,(acceptor-http2-max-concurrent-streams acceptor)))
         unless (and (integerp bytes) (plusp bytes))
           do (error 'invalid-acceptor-configuration
                     :initarg initarg :value bytes

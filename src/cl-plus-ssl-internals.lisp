@@ -233,3 +233,34 @@ count of octets taken, :WOULD-BLOCK when the socket has no room, or :ERROR
                           :would-block
                           :error)))))
           (error () :error)))))
+
+(defun tls-stream-p (stream)
+  "True when STREAM is cl+ssl's own TLS stream, which RECEIVE-TLS-OCTETS reads."
+  (typep stream 'cl+ssl::ssl-stream))
+
+(defun receive-tls-octets (stream octets start end)
+  "Read into OCTETS from START below END what the TLS STREAM has decrypted
+or can decrypt without waiting on its non-blocking socket, in one
+SSL_read, after the octet LISTEN peeked, if any: the count, 0 at the end of
+the stream, :WOULD-BLOCK, or :ERROR.  cl+ssl's READ-BYTE and LISTEN take
+one SSL_read an octet."
+  (declare (type (simple-array (unsigned-byte 8) (*)) octets) (type fixnum start end))
+  (let ((handle (cl+ssl::ssl-stream-handle stream))
+        (peeked (shiftf (cl+ssl::ssl-stream-peeked-byte stream) nil)))
+    (cond ((null handle) :error)
+          (peeked (setf (aref octets start) peeked) 1)
+          (t (handler-case
+                 (progn
+                   (forget-tls-errors)
+                   (let ((result (cffi:with-pointer-to-vector-data (pointer octets)
+                                   (let ((cl+ssl::*socket* (cl+ssl::ssl-stream-socket stream)))
+                                     (cl+ssl::ssl-read handle (cffi:inc-pointer pointer start) (- end start))))))
+                     (if (plusp result)
+                         result
+                         (let ((error-code (cl+ssl::ssl-get-error handle result)))
+                           (cond ((or (eql error-code cl+ssl::+ssl-error-want-read+)
+                                      (eql error-code cl+ssl::+ssl-error-want-write+))
+                                  :would-block)
+                                 ((eql error-code cl+ssl::+ssl-error-zero-return+) 0)
+                                 (t :error))))))
+               (error () :error))))))

@@ -14,8 +14,14 @@
 parallel acceptor's request, in a websocket's, or once the headers are
 sent."
   (let ((serving *serving*))
-    (cond ((not (and serving (typep hunchentoot:*acceptor* 'parallel-acceptor) (boundp 'hunchentoot:*request*)
-                     (not (connection-websocket (worker-connection (serving-worker serving))))))
+    (cond ((not (and serving (typep hunchentoot:*acceptor* 'parallel-acceptor) (boundp 'hunchentoot:*request*)))
+           (error 'reply-not-deferrable
+                  :reason (format nil "it is made ~A outside a handler of a parallel acceptor's request." what)))
+          ((null (worker-connection (serving-worker serving)))
+           (error 'reply-not-deferrable
+                  :reason (format nil "it is made ~A in an HTTP/2 stream's handler, which this version answers ~
+only when the handler returns." what)))
+          ((connection-websocket (worker-connection (serving-worker serving)))
            (error 'reply-not-deferrable
                   :reason (format nil "it is made ~A outside a handler of a parallel acceptor's request." what)))
           ((headers-sent-p)

@@ -40,7 +40,7 @@
 string in the Prometheus text exposition format (version 0.0.4): each
 family with # HELP and # TYPE, counters named ..._total, gauges, the
 engine's replies by status class and refusals by status, TLS handshakes
-by protocol, and a histogram of request durations (from the complete head
+by protocol, HTTP/2 GOAWAYs by cause, and a histogram of request durations (from the complete head
 to the flushed reply) with its _bucket, _sum and _count.  Every name starts with PREFIX.  Serve it
 with Content-Type text/plain; version=0.0.4.  Unspecified: the order of
 the families.  Families of the engine appear once it has been started."
@@ -61,9 +61,9 @@ the families.  Families of the engine appear once it has been started."
                         (write-metric-family out full-name 'counter help)
                         (loop for (class . count) in (getf statistics key)
                               do (format out "~A{class=\"~Dxx\"} ~D~%" full-name class count)))
-                       ((member kind '(:by-code :by-protocol))
+                       ((member kind '(:by-code :by-protocol :by-cause))
                         (write-metric-family out full-name 'counter help)
-                        (loop with label = (if (eq kind :by-code) "code" "protocol")
+                        (loop with label = (string-downcase (subseq (symbol-name kind) 3))
                               for (value . count) in (getf statistics key)
                               do (format out "~A{~A=\"~A\"} ~D~%" full-name label value count)))
                        ((eq kind :histogram-buckets)

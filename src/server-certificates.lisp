@@ -32,7 +32,9 @@
 as strings, its preference first.  A client that offers none of them gets
 no protocol chosen, and no alert.")
   (:method ((acceptor hunchentoot:ssl-acceptor))
-    '("http/1.1")))
+    '("http/1.1"))
+  (:method ((acceptor parallel-acceptor))
+    (if (acceptor-http2-p acceptor) '("h2" "http/1.1") '("http/1.1"))))
 
 (defstruct (certificate (:constructor make-certificate (names certificate-file key-file password)))
   "One certificate and its key, as its files hold them."

@@ -51,14 +51,14 @@
     (:bus-messages-missed :counter "bus_messages_missed_total" "Messages of other processes never received (numbers skipped in their sequence).")
     (:bus-reconnects :counter "bus_reconnects_total" "Times the channel bus reached its database again after losing it.")
     (:memory-budget-bytes :gauge "memory_budget_bytes"
-     "The octets the engine may hold on behalf of clients (MEMORY-BUDGET; the process's, shared, unless the acceptor has its own).")
+     "The octets the engine may hold for clients (MEMORY-BUDGET).")
     (:memory-held-bytes :gauge "memory_held_bytes"
-     "The octets held now: websocket frames and the engine's copies of replies waiting for their clients, partly arrived messages and heads, bodies in memory.")
+     "The octets held now: frames and replies waiting for their clients, partial messages and heads, bodies.")
     (:memory-peak-bytes :gauge "memory_peak_bytes" "The most octets held at once.")
     (:memory-refusals :counter "memory_refusals_total"
-     "Buffers, requests (503) and websocket sends or messages (1013) refused for want of room in the budget.")
+     "Buffers, requests (503) and websocket messages (1013) refused for want of budget.")
     (:memory-relief-closes :counter "memory_relief_closes_total"
-     "Parked connections closed, the ones holding the most first, to bring the budget back under three quarters.")
+     "Parked connections closed, those holding the most first, to relieve the budget.")
     (:connections-accepted :counter "connections_accepted_total" "Connections accepted.")
     (:keep-alive-timeouts :counter "keep_alive_timeouts_total"
      "Kept-alive connections closed after KEEP-ALIVE-TIMEOUT idle seconds.")
@@ -68,8 +68,18 @@
      "Requests answered 408 because their body stalled for the read timeout.")
     (:handshake-timeouts :counter "handshake_timeouts_total"
      "Connections closed because their TLS handshake was not done within the header timeout.")
+    (:open-http2-connections :gauge "open_http2_connections" "Connections that speak HTTP/2.")
+    (:http2-connections :counter "http2_connections_total"
+     "Connections that began to speak HTTP/2 (h2 or h2c).")
+    (:http2-streams :counter "http2_streams_total" "HTTP/2 streams their clients began.")
+    (:http2-streams-reset :counter "http2_streams_reset_total"
+     "HTTP/2 streams reset by their client before their reply.")
+    (:http2-streams-refused :counter "http2_streams_refused_total"
+     "HTTP/2 streams refused: HTTP2-MAX-CONCURRENT-STREAMS of their connection's handlers ran.")
+    (:http2-goaways-by-cause :by-cause "http2_goaways_total"
+     "HTTP/2 GOAWAYs sent, by cause: an alist from \"stop\", \"idle\" and \"protocol-error\" (a flood) to counts.")
     (:tls-handshakes-by-protocol :by-protocol "tls_handshakes_total"
-     "TLS handshakes finished, by the protocol ALPN chose: an alist from \"http/1.1\", \"other\" and \"none\".")
+     "TLS handshakes finished, by the protocol ALPN chose: an alist from \"h2\", \"http/1.1\", \"other\" and \"none\".")
     (:tls-certificates :gauge "tls_certificates" "Certificates the acceptor serves.")
     (:tls-certificate-reloads :counter "tls_certificate_reloads_total"
      "Certificates loaded again because their files changed.")

@@ -285,7 +285,7 @@ offered."
           (is (search "No ALPN negotiated" output))
           (is (search "Verify return code" output) "the handshake completes, no alert"))
         (is (search "No ALPN negotiated" (s-client server)) "a client offering none gets none")
-        (is (wait-until (lambda () (equal '(("http/1.1" . 2) ("other" . 0) ("none" . 2))
+        (is (wait-until (lambda () (equal '(("h2" . 0) ("http/1.1" . 2) ("other" . 0) ("none" . 2))
                                           (stats server :tls-handshakes-by-protocol))))
             "handshakes by protocol: ~S" (stats server :tls-handshakes-by-protocol))
         (is (search "tls_handshakes_total{protocol=\"http/1.1\"} 2" (prometheus-metrics server)))))))

@@ -73,9 +73,10 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
     (unwind-protect
          (loop for token = (next-ready-token engine worker set)
                while token
-               do (if (= token +timer-token+)
-                      (run-timers-serving-completions engine set serving)
-                      (serve-ready-token engine worker set serving token)))
+               do (cond ((= token +timer-token+) (run-timers-serving-completions engine set serving))
+                        ((= token +task-token+) (run-worker-task serving (take-woken-task set)))
+                        (t (serve-ready-token engine worker set serving token)))
+                  (run-queued-tasks set serving))
       (free-reply-coders (shiftf (serving-coders serving) nil)))))
 
 (defun run-timers-serving-completions (engine set serving)
@@ -94,6 +95,20 @@ parked for output, for any worker."
       (dolist (connection connections)
         (unless (park-for-completed-reply set connection)
           (close-connection set connection))))))
+
+(defun run-worker-task (serving task)
+  "Run TASK (worker-tasks.lisp), unless it is NIL, in the worker of
+SERVING; an error escaping it is logged."
+  (when task
+    (handler-case (funcall task serving)
+      (error (condition)
+        (log-safely (serving-acceptor serving) :error "Error in a worker task: ~A" condition)))))
+
+(defun run-queued-tasks (set serving)
+  "Run the tasks waiting in SET's queue, oldest first, until none waits."
+  (loop for task = (and (readiness-set-tasks set) (pop-worker-task set))
+        while task
+        do (run-worker-task serving task)))
 
 (defun serve-ready-token (engine worker set serving token)
   "Serve what TOKEN, reported to WORKER by SET, stands for: a new connection

@@ -45,6 +45,8 @@ __EPOLL_PACKED), naturally aligned elsewhere.")
 
 (defconstant +efd-cloexec+ #o2000000)
 
+(defconstant +efd-nonblock+ #o4000)
+
 (defconstant +sock-cloexec+ #o2000000)
 
 (defconstant +sock-nonblock+ #o4000)

@@ -67,12 +67,13 @@ collection several times a second, and interrupts arrive the same way)."
             ((= (sb-alien:get-errno) +eintr+) :interrupted)
             (t (foreign-error "epoll_wait"))))))
 
-(defun make-wakeup-fd ()
+(defun make-wakeup-fd (&key non-blocking)
   "An eventfd(2): once signalled it stays readable, so, watched level-triggered,
-it wakes every waiter of an epoll set, now and later."
+it wakes every waiter of an epoll set, now and later; NON-BLOCKING, its read
+(CLEAR-TIMER-FD) does not wait."
   (let ((fd (sb-alien:alien-funcall
              (sb-alien:extern-alien "eventfd" (function sb-alien:int sb-alien:unsigned sb-alien:int))
-             0 +efd-cloexec+)))
+             0 (logior +efd-cloexec+ (if non-blocking +efd-nonblock+ 0)))))
     (when (minusp fd) (foreign-error "eventfd"))
     fd))
 
@@ -108,8 +109,8 @@ MONOTONIC-MICROSECONDS counts them), or never when MICROSECONDS is NIL."
         (foreign-error "timerfd_settime")))))
 
 (defun clear-timer-fd (fd)
-  "Read the timerfd FD's expiry count, so that it polls readable only when
-it expires again."
+  "Read the timerfd or eventfd FD's count, so that it polls readable only
+when it expires or is signalled again."
   (sb-alien:with-alien ((count (sb-alien:unsigned 64)))
     (sb-unix:unix-read fd (sb-alien:alien-sap (sb-alien:addr count)) 8)))
 

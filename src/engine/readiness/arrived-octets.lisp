@@ -13,9 +13,12 @@ waiting; the position after the last one."
         finally (return position)))
 
 (defun receive-from-stream (stream fd buffer start end)
-  "Take what STREAM (an SSL stream) has decrypted, without waiting, into BUFFER.
-LISTEN reads ahead into the stream's own buffer, so bytes decrypted
-earlier are found there, not on the socket."
+  "Take what STREAM (an SSL stream) has decrypted, without waiting, into BUFFER:
+cl+ssl's own stream in one SSL_read (RECEIVE-TLS-OCTETS), another (a
+mixin's around it) through LISTEN, which reads ahead into the stream's own
+buffer, so bytes decrypted earlier are found there, not on the socket."
+  (when (tls-stream-p stream)
+    (return-from receive-from-stream (receive-tls-octets stream buffer start end)))
   (handler-case
       (let ((position (read-arrived-octets stream buffer start end)))
         (cond ((> position start) (- position start))

@@ -17,6 +17,8 @@ client is gone already."
     (detach-deferred-reply set connection))
   (when (connection-event-stream connection)
     (end-event-stream set (connection-event-stream connection)))
+  (when (connection-http2 connection)
+    (end-http2-connection (connection-http2 connection)))
   (when (connection-outgoing connection)
     (drop-outgoing set connection))
   (when (connection-arriving-body connection)
@@ -31,13 +33,12 @@ client is gone already."
     (ignore-errors (close fd-stream :abort t))))
 
 (defun park-outbox-or-close (set connection)
-  "Send what waits for CONNECTION's websocket or event stream, held by the
-caller, and park it (PARK-WEBSOCKET, PARK-EVENT-STREAM); close it instead
-when that says it is to close."
-  (unless (eq t (let ((websocket (connection-websocket connection)))
-                  (if websocket
-                      (park-websocket websocket)
-                      (park-event-stream (connection-event-stream connection)))))
+  "Send what waits for CONNECTION's websocket, event stream or HTTP/2
+frames, held by the caller, and park it (PARK-WEBSOCKET, PARK-EVENT-STREAM,
+PARK-HTTP2-CONNECTION); close it instead when that says it is to close."
+  (unless (eq t (cond ((connection-websocket connection) (park-websocket (connection-websocket connection)))
+                      ((connection-http2 connection) (park-http2-connection (connection-http2 connection)))
+                      (t (park-event-stream (connection-event-stream connection)))))
     (close-connection set connection)))
 
 (defun serve-outbox-output (outbox)
@@ -88,6 +89,9 @@ sent nothing, a client that took none of its reply)."
           ((connection-websocket connection)
            (when (eq (websocket-deadline-reached (connection-websocket connection)) :close)
              (close-connection set connection)))
+          ((connection-http2 connection)
+           (when (eq (http2-deadline-reached (connection-http2 connection)) :close)
+             (close-connection set connection)))
           ((connection-arriving-body connection)
            (atomic-increment (connection-counters-body-timeouts counters))
            (count-reply counters 408)
@@ -134,10 +138,14 @@ its client stopped taking."
              (end-parked-connection set connection))))))
 
 (defun close-parked-connections (set)
-  "Close every parked connection at once, for HUNCHENTOOT:STOP."
+  "Close every parked connection at once, for HUNCHENTOOT:STOP; an HTTP/2
+one is sent its GOAWAY first."
   (map-parked-connections
    set (lambda (connection)
          (when (take-parked-connection connection)
+           (let ((http2 (connection-http2 connection)))
+             (when (and http2 (null (http2-connection-goaway http2)))
+               (setf (http2-connection-goaway http2) :stop)))
            (close-connection set connection)))))
 
 (defun close-every-connection (set)
@@ -146,6 +154,19 @@ ABANDON-ACCEPTOR, once the threads that held them are gone."
   (loop for connection across (readiness-set-slots set)
         when connection
           do (close-connection set connection)))
+
+(defun unfinished-connection-count (set)
+  "Connections in SET's table none of whose requests has been answered yet,
+or whose reply is deferred or not sent whole yet."
+  (count-if (lambda (connection)
+              (and connection
+                   (or (not (connection-answered-p connection))
+                       (connection-outgoing connection)
+                       (connection-deferred connection)
+                       (let ((http2 (connection-http2 connection)))
+                         (and http2 (plusp (http2-connection-running http2)))))
+                   (not (eq (connection-state connection) :closed))))
+            (readiness-set-slots set)))
 
 ;;; Relief from memory pressure.
 
@@ -162,11 +183,15 @@ than its limit, counted there, and close it."
 frame it shares with others as its own)."
   (let ((websocket (connection-websocket connection))
         (event-stream (connection-event-stream connection))
+        (http2 (connection-http2 connection))
         (outgoing (connection-outgoing connection))
         (body (connection-arriving-body connection))
         (pending (connection-pending connection)))
     (+ (if websocket (+ (websocket-unsent-octets websocket) (websocket-message-length websocket)) 0)
        (if event-stream (event-stream-unsent-octets event-stream) 0)
+       (if http2 (+ (http2-connection-unsent-octets http2)
+                    (http2-session-held-octets (http2-connection-session http2)))
+           0)
        (if outgoing (outgoing-charged outgoing) 0)
        (if (and body (null (arriving-body-file body))) (length (arriving-body-octets body)) 0)
        (if pending (length pending) 0))))

@@ -25,7 +25,9 @@
 
 (defconstant +timer-token+ 2)
 
-(defconstant +first-connection-token+ 3)
+(defconstant +task-token+ 3)
+
+(defconstant +first-connection-token+ 4)
 
 (defstruct (connection (:constructor make-connection (fd token fd-stream)))
   "A client connection served by the readiness set."
@@ -61,6 +63,11 @@
   (deferred nil)
   ;; The EVENT-STREAM its reply has become, or NIL.
   (event-stream nil)
+  ;; The HTTP2-CONNECTION it speaks once it opened with HTTP/2's preface
+  ;; or chose h2 in its TLS handshake, or NIL.
+  (http2 nil)
+  ;; The protocol ALPN chose in its TLS handshake, a string, or NIL.
+  (application-protocol nil)
   ;; How the descriptor is watched since its first park: :EDGE (plain) or
   ;; :ONE-SHOT (TLS); NIL before it is added to the epoll set.
   (trigger nil)

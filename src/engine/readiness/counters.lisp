@@ -17,9 +17,15 @@ nothing.")
   "The close codes websocket closes are counted by; any other is counted
 as 0.")
 
-(defparameter *counted-application-protocols* #("http/1.1" "other" "none")
+(defparameter *counted-application-protocols* #("h2" "http/1.1" "other" "none")
   "What TLS handshakes are counted by: the protocol ALPN chose among those
 named, \"other\" for another, \"none\" when it chose none.")
+
+(defparameter *http2-goaway-causes* #(:stop :idle :protocol-error)
+  "Why the engine sends an HTTP/2 connection its GOAWAY, as counted: the
+acceptor stops, the connection was idle for the keep-alive timeout, or the
+client broke the protocol (a flood, a frame out of place: libnghttp2's
+verdict).")
 
 (defconstant +request-count-stripes+ 8
   "The stripes requests are counted in, each worker counting into one: a
@@ -70,6 +76,17 @@ keeps it from run to run; each run's set counts into it."
   (websocket-octets-out 0 :type word)
   ;; Websockets closed, per code of *WEBSOCKET-CLOSE-CODES*, then others.
   (websocket-closes (make-array (1+ (length *websocket-close-codes*)) :element-type 'word :initial-element 0)
+   :type (simple-array word (*)) :read-only t)
+  ;; HTTP/2 connections opened; streams begun by their clients; streams
+  ;; their clients reset before the reply ended; streams the engine
+  ;; refused (REFUSED_STREAM) because as many handlers as the concurrent
+  ;; stream limit ran or waited for that connection already.
+  (http2-connections 0 :type word)
+  (http2-streams 0 :type word)
+  (http2-streams-reset 0 :type word)
+  (http2-streams-refused 0 :type word)
+  ;; GOAWAYs sent, per cause of *HTTP2-GOAWAY-CAUSES*.
+  (http2-goaways (make-array (length *http2-goaway-causes*) :element-type 'word :initial-element 0)
    :type (simple-array word (*)) :read-only t)
   ;; TLS handshakes the engine finished, per *COUNTED-APPLICATION-PROTOCOLS*.
   (tls-handshakes (make-array (length *counted-application-protocols*) :element-type 'word :initial-element 0)
@@ -138,3 +155,7 @@ MICROSECONDS from its complete head to its reply sent, in STRIPE."
                             (cond ((null protocol) (1- (length protocols)))
                                   ((position protocol protocols :end (- (length protocols) 2) :test #'string=))
                                   (t (- (length protocols) 2)))))))
+
+(defun count-http2-goaway (counters cause)
+  "Count a GOAWAY sent for CAUSE, one of *HTTP2-GOAWAY-CAUSES*."
+  (atomic-increment (aref (connection-counters-http2-goaways counters) (position cause *http2-goaway-causes*))))

@@ -30,6 +30,7 @@
 ;;;;                    completed, keeping the END octets the client sent
 ;;;;                    after its request, until its timeout.
 ;;;;   :EVENT-STREAM    Park the event stream the reply became (PARK-EVENT-STREAM).
+;;;;   :HTTP2           Park the connection speaking HTTP/2 (PARK-HTTP2-CONNECTION).
 ;;;;   :HANDSHAKE for   Wait until the socket is ready FOR (:INPUT, :OUTPUT)
 ;;;;                    the TLS handshake, under the header timeout.
 ;;;;   :CLOSE           Close it.
@@ -76,6 +77,10 @@
 ;;;;                      NOTE-WEBSOCKET-MESSAGE,
 ;;;;                      CALL-RESOURCE, FAIL-WEBSOCKET,
 ;;;;                      CLIENT-READS-SLOWER-THAN-IT-SENDS-P.
+;;;;   HTTP/2             CONNECTION-HTTP2-STATE, whether a connection is to
+;;;;                      speak it; HTTP2-TURN, which reads its frames and
+;;;;                      calls back for each stream's request in a worker
+;;;;                      (http2-turn.lisp).
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -94,9 +99,10 @@ when the client has gone, the handshake failed or the pool is stopping
 
 (defun held-connection-kind (connection)
   "What CONNECTION, held by the caller, has become, which says what its turn
-is: :WEBSOCKET, :DEFERRED (its reply waits to be completed),
+is: :WEBSOCKET, :HTTP2, :DEFERRED (its reply waits to be completed),
 :EVENT-STREAM, or NIL (the request cycle)."
   (cond ((connection-websocket connection) :websocket)
+        ((connection-http2 connection) :http2)
         ((connection-deferred connection) :deferred)
         ((connection-event-stream connection) :event-stream)))
 
@@ -109,7 +115,7 @@ connection keeps."
     (:park (park-or-end engine set connection buffer detail))
     (:read-body (park-until-body-arrives engine set connection))
     (:send-rest (park-until-writable engine set connection buffer detail))
-    ((:websocket :event-stream)
+    ((:websocket :event-stream :http2)
      (if (stopping-p engine)
          (close-connection set connection)
          (progn (keep-pending-bytes connection buffer (or detail 0) (readiness-set-memory-budget set))

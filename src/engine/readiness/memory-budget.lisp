@@ -145,6 +145,12 @@ NIL when BUDGET has no room for them."
   (when (reserve-memory budget length)
     (%make-counted-octets (make-array length :element-type '(unsigned-byte 8)) budget)))
 
+(defun charged-octets (octets budget)
+  "OCTETS, made already, as COUNTED-OCTETS held once, charged to BUDGET
+(CHARGE-MEMORY): what a library made that must be kept."
+  (charge-memory budget (length octets))
+  (%make-counted-octets octets budget))
+
 (defun uncounted-octets (octets)
   "OCTETS as COUNTED-OCTETS held once and counted in no budget: a control
 frame of at most 127 octets, one or two a connection."

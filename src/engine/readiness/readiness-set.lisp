@@ -15,6 +15,19 @@
   (wakeup-fd -1 :type fixnum :read-only t)
   ;; The TIMERS called by the workers it wakes (timers.lisp).
   (timers (make-timers) :read-only t)
+  ;; The tasks any worker may run (worker-tasks.lisp), oldest first, the
+  ;; last cons of the list, whether a nudge is due, and the lock around
+  ;; them; the eventfd that wakes a worker for them, in the epoll set
+  ;; under +TASK-TOKEN+.
+  (tasks '())
+  (tasks-tail '())
+  (task-nudge-p nil)
+  ;; Functions CALL-SOON was given, newest first, and whether the timer
+  ;; that calls them is set; under TASKS-LOCK too.
+  (soon-calls '())
+  (soon-timer-p nil)
+  (tasks-lock (bt:make-lock "readiness-set-tasks") :read-only t)
+  (task-fd (make-wakeup-fd :non-blocking t) :type fixnum :read-only t)
   ;; The acceptor's listening socket, non-blocking.
   (listen-fd -1 :type fixnum :read-only t)
   ;; The address, as text, and the port every connection is accepted on,
@@ -77,6 +90,8 @@
   (deferred-count 0 :type word)
   ;; Connections that are open event streams.
   (event-stream-count 0 :type word)
+  ;; Connections that speak HTTP/2.
+  (http2-count 0 :type word)
   ;; The engine's CONNECTION-COUNTERS, which this set counts into.
   (counters nil :type connection-counters :read-only t)
   ;; The MEMORY-BUDGET the buffers of this set's connections are taken from.
@@ -119,11 +134,13 @@ seconds; a WRITE-TIMEOUT or READ-TIMEOUT of NIL means a year."
     (epoll-watch epoll-fd (readiness-set-listen-fd set) +listen-token+ :trigger :one-shot)
     (epoll-watch epoll-fd (readiness-set-wakeup-fd set) +wakeup-token+)
     (epoll-watch epoll-fd (timers-fd (readiness-set-timers set)) +timer-token+ :trigger :one-shot)
+    (epoll-watch epoll-fd (readiness-set-task-fd set) +task-token+ :trigger :one-shot)
     set))
 
 (defun destroy-readiness-set (set)
   (close-fd (readiness-set-epoll-fd set))
   (close-fd (readiness-set-wakeup-fd set))
+  (close-fd (readiness-set-task-fd set))
   (destroy-timers (readiness-set-timers set))
   (let ((spare-fd (shiftf (readiness-set-spare-fd set) nil)))
     (when spare-fd (close-fd spare-fd))))
@@ -234,17 +251,6 @@ its CONNECTION, :ACTIVE."
         (setf (svref (readiness-set-slots set) index) nil)
         (push index (readiness-set-free-indices set))
         (decf (readiness-set-connection-count set))))))
-
-(defun unfinished-connection-count (set)
-  "Connections in SET's table none of whose requests has been answered yet,
-or whose reply is deferred or not sent whole yet."
-  (count-if (lambda (connection)
-              (and connection
-                   (or (not (connection-answered-p connection))
-                       (connection-outgoing connection)
-                       (connection-deferred connection))
-                   (not (eq (connection-state connection) :closed))))
-            (readiness-set-slots set)))
 
 ;;; Parking and taking.
 

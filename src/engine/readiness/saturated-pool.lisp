@@ -46,8 +46,13 @@ CONNECTION ready, so that the first worker free takes it."
     ;; Left on the socket: parked again, it is armed to be reported again.
     (setf (connection-unread-p connection) t)
     (multiple-value-bind (status request-start request-line-end head-end)
-        (scan-request-head buffer 0 end (acceptor-max-header-bytes (engine-acceptor engine)))
+        (case (and (acceptor-http2-p (engine-acceptor engine)) (connection-http2-state connection buffer end))
+          ;; HTTP/2's preface is no HTTP/1.1 head: its frames wait for a worker.
+          (:http2 :complete-http2)
+          (:partial :incomplete)
+          (t (scan-request-head buffer 0 end (acceptor-max-header-bytes (engine-acceptor engine)))))
       (case status
+        (:complete-http2 (queue-for-worker engine set connection))
         (:complete
          (let ((refused-status (head-refused-status buffer request-start request-line-end head-end)))
            (if refused-status
@@ -77,9 +82,10 @@ what the client has sent since."
 free.  The rest of a reply is sent; for a request, a plain connection is
 looked at, and a TLS one cannot be without reading it, so that it has sent
 anything counts as a request waiting for a worker."
-  (cond ((or (connection-websocket connection) (connection-event-stream connection))
-         ;; A websocket's frames are read by a worker; what is sent to it,
-         ;; or to an event stream, goes now.
+  (cond ((or (connection-websocket connection) (connection-event-stream connection)
+             (connection-http2 connection))
+         ;; A websocket's or HTTP/2 connection's frames are read by a
+         ;; worker; what is sent to it, or to an event stream, goes now.
          (park-outbox-or-close set connection))
         ((connection-outgoing connection) (resume-reply-while-saturated engine set connection))
         ((or (connection-arriving-body connection) (connection-handshake connection)
@@ -153,6 +159,10 @@ while ready is reported again."
                (:timeout (return))
                (t (cond ((= token +wakeup-token+) (return))
                         ((= token +timer-token+) (run-due-timers set (engine-acceptor engine)))
+                        ;; Tasks are for workers: reported again at once.
+                        ((= token +task-token+)
+                         (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-task-fd set) +task-token+)
+                         (return))
                         ((= token +listen-token+)
                          (if (hunchentoot:acceptor-ssl-p (engine-acceptor engine))
                              ;; A TLS connection needs its handshake, which

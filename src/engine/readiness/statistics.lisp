@@ -41,6 +41,13 @@ none runs) holds now, and what COUNTERS counted ever."
            :write-timeouts (connection-counters-write-timeouts counters)
            :body-timeout-replies (connection-counters-body-timeouts counters)
            :handshake-timeouts (connection-counters-handshake-timeouts counters)
+           :open-http2-connections (if set (readiness-set-http2-count set) 0)
+           :http2-connections (connection-counters-http2-connections counters)
+           :http2-streams (connection-counters-http2-streams counters)
+           :http2-streams-reset (connection-counters-http2-streams-reset counters)
+           :http2-streams-refused (connection-counters-http2-streams-refused counters)
+           :http2-goaways-by-cause (map 'list (lambda (cause count) (cons (string-downcase cause) count))
+                                        *http2-goaway-causes* (connection-counters-http2-goaways counters))
            :tls-handshakes-by-protocol (map 'list #'cons *counted-application-protocols*
                                             (connection-counters-tls-handshakes counters))
            :replies-by-class (loop for class from 1 to 5

@@ -65,7 +65,9 @@ it)."
                      (error () nil))))
         (when (eq state :done)
           (forget-connection-handshake set connection)
-          (count-tls-handshake (readiness-set-counters set) (tls-stream-application-protocol stream))
+          (let ((protocol (tls-stream-application-protocol stream)))
+            (setf (connection-application-protocol connection) protocol)
+            (count-tls-handshake (readiness-set-counters set) protocol))
           (setf (connection-awaiting connection) :input))
         (if (eq state :done) stream state)))))
 

@@ -43,11 +43,15 @@ Called each time a worker takes the connection up, not once for its life:
     (with-connection-bindings ()
       (multiple-value-bind (outcome detail) (ecase (held-connection-kind connection)
                                                   (:websocket (answer-websocket-frames serving connection))
+                                                  (:http2 (answer-http2-frames serving connection nil))
                                                   (:deferred (answer-deferred-reply serving connection))
                                                   (:event-stream (event-stream-turn connection))
                                                   ((nil) (answer-arrived-requests serving connection)))
-        (when (eq outcome :upgrade)
-          (setf (values outcome detail) (open-websocket serving connection detail)))
+        (case outcome
+          (:upgrade (setf (values outcome detail) (open-websocket serving connection detail)))
+          ;; From the request cycle: the connection speaks HTTP/2 from now.
+          (:http2 (unless (held-connection-kind connection)
+                    (setf (values outcome detail) (answer-http2-frames serving connection detail)))))
         (when (let-go-of-connection (serving-worker serving))
           (end-turn (serving-engine serving) (serving-set serving) connection (serving-buffer serving)
                     outcome detail))))))

@@ -16,6 +16,9 @@
 ;;;;   :UPGRADE end    A websocket handshake was answered 101: the
 ;;;;                   connection becomes a websocket, END octets of its
 ;;;;                   first frames starting the buffer.
+;;;;   :HTTP2 end      The connection speaks HTTP/2 (ALPN chose h2, or it
+;;;;                   opened with the preface): END octets of its frames
+;;;;                   start the buffer (http2-streams.lisp).
 ;;;;
 ;;;; or one of the outcomes a turn ends with (readiness/face.lisp): :PARK,
 ;;;; :READ-BODY, :SEND-REST, :CLOSE, :LET-GO, :REFUSE.  PROCESS-CONNECTION
@@ -252,6 +255,7 @@ END octets having arrived in all, or begin reading its body."
 has sent so far, reading the bodies that follow their heads, until the
 connection has to wait or end: the outcome of the turn, never :NEXT."
   (let* ((buffer (serving-buffer serving))
+         (http2-p (acceptor-http2-p (serving-acceptor serving)))
          (max-header-bytes (acceptor-max-header-bytes (serving-acceptor serving)))
          (end (take-pending-bytes connection buffer (serving-budget serving))))
     (case (send-rest-of-reply (serving-set serving) connection)
@@ -261,12 +265,15 @@ connection has to wait or end: the outcome of the turn, never :NEXT."
       (multiple-value-bind (outcome detail)
           (if (connection-arriving-body connection)
               (answer-arrived-body serving connection)
-              (multiple-value-bind (status request-start request-line-end head-end)
-                  (scan-request-head buffer 0 end max-header-bytes)
-                (case status
-                  (:complete (answer-head serving connection request-start request-line-end head-end end))
-                  (:incomplete (values :park end))
-                  (t (values :refuse status)))))
+              (case (and http2-p (connection-http2-state connection buffer end))
+                (:http2 (values :http2 end))
+                (:partial (values :park end))
+                (t (multiple-value-bind (status request-start request-line-end head-end)
+                       (scan-request-head buffer 0 end max-header-bytes)
+                     (case status
+                       (:complete (answer-head serving connection request-start request-line-end head-end end))
+                       (:incomplete (values :park end))
+                       (t (values :refuse status)))))))
         (case outcome
           (:park
            ;; Read what else has come before parking.
@@ -285,7 +292,7 @@ connection has to wait or end: the outcome of the turn, never :NEXT."
              ;; Trying one more read before parking did not pay (bench
              ;; run 2026-11-22T004655Z): a kept-alive connection parks.
              (return (values :park 0))))
-          ((:upgrade :defer) (return (values outcome detail)))
+          ((:upgrade :defer :http2) (return (values outcome detail)))
           ((:close :let-go)
            (when (follow-reply-rest-with connection :close)
              (return (values :send-rest 0)))

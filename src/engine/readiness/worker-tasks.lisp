@@ -1,0 +1,89 @@
+;;;; Tasks any worker may run, which are no connection's turn: the handler
+;;;; of an HTTP/2 stream, whose connection goes on being read meanwhile.
+;;;;
+;;;; A task waits in the set's queue.  Every worker takes tasks from it
+;;;; before it waits on the set again (RUN-QUEUED-TASKS), so that the worker
+;;;; that read a connection's streams answers them itself, in order, without
+;;;; waking another: waking a worker a stream cost more than the stream
+;;;; (bench/profiles/2026-11-28-http2.txt).  A slow handler must not hold
+;;;; up the tasks behind it, though: a task queued arms a nudge, a timer
+;;;; +TASK-NUDGE-MILLISECONDS+ later, which makes the task eventfd readable
+;;;; while tasks still wait; the worker it wakes takes one, and makes it
+;;;; readable again while more wait, so that each waiting task soon has a
+;;;; worker, and the pool grows when none waits (ENGINE-WORK-WAITING-P sees
+;;;; the eventfd).  The eventfd is watched one-shot; the worker it wakes
+;;;; clears it and arms it again.
+;;;;
+;;;; CALL-SOON defers a call briefly, by the same means: one timer for all
+;;;; the calls due within +TASK-NUDGE-MILLISECONDS+.
+;;;;
+;;;; TASKS-LOCK guards the queue, the calls and their flags, never held
+;;;; while a task or a call runs.
+
+(in-package #:hunchentoot-recycling-taskmaster)
+
+(defconstant +task-nudge-milliseconds+ 1
+  "How long a task may wait in the queue before a worker is woken for it.")
+
+(defun queue-worker-tasks (set tasks)
+  "Add TASKS, functions of the worker's SERVING, in order, to SET's queue,
+from any thread; a worker runs each."
+  (when tasks
+    (let ((nudge-p nil))
+      (bt:with-lock-held ((readiness-set-tasks-lock set))
+        (if (readiness-set-tasks set)
+            (setf (cdr (readiness-set-tasks-tail set)) tasks)
+            (setf (readiness-set-tasks set) tasks))
+        (setf (readiness-set-tasks-tail set) (last tasks))
+        (unless (readiness-set-task-nudge-p set)
+          (setf (readiness-set-task-nudge-p set) t
+                nudge-p t)))
+      (when nudge-p
+        (schedule-timer (readiness-set-timers set) +task-nudge-milliseconds+ (lambda () (nudge-task-workers set)))))))
+
+(defun nudge-task-workers (set)
+  "The nudge: wake a worker for the tasks still waiting in SET's queue."
+  (when (bt:with-lock-held ((readiness-set-tasks-lock set))
+          (setf (readiness-set-task-nudge-p set) nil)
+          (readiness-set-tasks set))
+    (signal-wakeup-fd (readiness-set-task-fd set))))
+
+(defun pop-worker-task (set)
+  "The oldest task of SET's queue, taken, or NIL; second value, true when
+more wait."
+  (bt:with-lock-held ((readiness-set-tasks-lock set))
+    (let ((task (pop (readiness-set-tasks set))))
+      (values task (and (readiness-set-tasks set) t)))))
+
+(defun take-woken-task (set)
+  "For the worker the task eventfd woke: the oldest task, or NIL when
+others took them all; the eventfd is cleared and armed again, readable
+again first while more tasks wait, for the next worker."
+  (clear-timer-fd (readiness-set-task-fd set))
+  (multiple-value-bind (task more-p) (pop-worker-task set)
+    (when more-p
+      (signal-wakeup-fd (readiness-set-task-fd set)))
+    (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-task-fd set) +task-token+)
+    task))
+
+(defun call-soon (set function)
+  "Call FUNCTION, without arguments, in a worker within
++TASK-NUDGE-MILLISECONDS+, with the other calls due then, by one timer."
+  (let ((schedule-p nil))
+    (bt:with-lock-held ((readiness-set-tasks-lock set))
+      (push function (readiness-set-soon-calls set))
+      (unless (readiness-set-soon-timer-p set)
+        (setf (readiness-set-soon-timer-p set) t
+              schedule-p t)))
+    (when schedule-p
+      (schedule-timer (readiness-set-timers set) +task-nudge-milliseconds+ (lambda () (run-soon-calls set))))))
+
+(defun run-soon-calls (set)
+  "Call what CALL-SOON was given, oldest first."
+  (mapc #'funcall (reverse (bt:with-lock-held ((readiness-set-tasks-lock set))
+                             (setf (readiness-set-soon-timer-p set) nil)
+                             (shiftf (readiness-set-soon-calls set) '())))))
+
+(defun queued-worker-task-count (set)
+  (bt:with-lock-held ((readiness-set-tasks-lock set))
+    (length (readiness-set-tasks set))))
