@@ -13,7 +13,6 @@
 ;;; Frames (RFC 9113 6) and their flags.
 (defconstant +nghttp2-data+ 0)
 (defconstant +nghttp2-headers+ 1)
-(defconstant +nghttp2-rst-stream+ 3)
 (defconstant +nghttp2-continuation+ 9)
 (defconstant +nghttp2-goaway+ 7)
 (defconstant +nghttp2-flag-end-stream+ #x01)
@@ -21,9 +20,7 @@
 
 ;;; Settings (RFC 9113 6.5.2).
 (defconstant +nghttp2-settings-max-concurrent-streams+ 3)
-(defconstant +nghttp2-settings-initial-window-size+ 4)
 (defconstant +nghttp2-settings-max-header-list-size+ 6)
-(defconstant +nghttp2-settings-enable-connect-protocol+ 8)
 
 ;;; Error codes of RST_STREAM and GOAWAY (RFC 9113 7).
 (defconstant +nghttp2-no-error+ 0)
@@ -32,7 +29,6 @@
 (defconstant +nghttp2-enhance-your-calm+ #xb)
 
 ;;; The library's own error codes.
-(defconstant +nghttp2-err-deferred+ -508)
 (defconstant +nghttp2-err-temporal-callback-failure+ -521)
 (defconstant +nghttp2-err-callback-failure+ -902)
 
@@ -126,9 +122,6 @@
 
 (cffi:defcfun ("nghttp2_session_get_last_proc_stream_id" %nghttp2-last-processed-stream-id) :int32
   (session :pointer))
-
-(cffi:defcfun ("nghttp2_session_resume_data" %nghttp2-session-resume-data) :int
-  (session :pointer) (stream-id :int32))
 
 (cffi:defcfun ("nghttp2_strerror" %nghttp2-strerror) :string
   (error-code :int))

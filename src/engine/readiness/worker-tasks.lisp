@@ -83,7 +83,3 @@ again first while more tasks wait, for the next worker."
   (mapc #'funcall (reverse (bt:with-lock-held ((readiness-set-tasks-lock set))
                              (setf (readiness-set-soon-timer-p set) nil)
                              (shiftf (readiness-set-soon-calls set) '())))))
-
-(defun queued-worker-task-count (set)
-  (bt:with-lock-held ((readiness-set-tasks-lock set))
-    (length (readiness-set-tasks set))))
