@@ -11,19 +11,19 @@
 (defun serving-of-waiting-reply (what)
   "The SERVING of the handler calling, whose reply is to be WHAT (\"deferred\",
 \"an event stream\"); signals REPLY-NOT-DEFERRABLE outside a handler of a
-parallel acceptor's request, in a websocket's, or once the headers are
-sent."
+parallel acceptor's request, in a websocket's or an HTTP/2 stream's, or
+once the headers are sent."
   (let ((serving *serving*))
-    (cond ((not (and serving (typep hunchentoot:*acceptor* 'parallel-acceptor) (boundp 'hunchentoot:*request*)))
+    (cond ((not (and serving (typep hunchentoot:*acceptor* 'parallel-acceptor) (boundp 'hunchentoot:*request*)
+                     (let ((connection (worker-connection (serving-worker serving))))
+                       (not (and connection (connection-websocket connection))))))
            (error 'reply-not-deferrable
                   :reason (format nil "it is made ~A outside a handler of a parallel acceptor's request." what)))
           ((null (worker-connection (serving-worker serving)))
+           ;; A worker task's: the connection is its holder's.
            (error 'reply-not-deferrable
                   :reason (format nil "it is made ~A in an HTTP/2 stream's handler, which this version answers ~
 only when the handler returns." what)))
-          ((connection-websocket (worker-connection (serving-worker serving)))
-           (error 'reply-not-deferrable
-                  :reason (format nil "it is made ~A outside a handler of a parallel acceptor's request." what)))
           ((headers-sent-p)
            (error 'reply-not-deferrable :reason "its headers have been sent."))
           (t serving))))

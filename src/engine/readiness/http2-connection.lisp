@@ -162,7 +162,8 @@ session freed, its queue dropped, counted closed."
   (unless (eq (http2-connection-state connection) :closed)
     (let ((cause (http2-connection-goaway connection))
           (set (http2-connection-set connection)))
-      (when (member cause (coerce *http2-goaway-causes* 'list))
+      ;; A cause, not T (sent already) or NIL (none due).
+      (when (keywordp cause)
         (send-http2-goaway connection cause)
         (when (eq (send-outbox-queue connection) :sent)
           (linger-before-close (http2-connection-connection connection))))

@@ -6,7 +6,7 @@
 ;;;; that read a connection's streams answers them itself, in order, without
 ;;;; waking another: waking a worker a stream cost more than the stream
 ;;;; (bench/profiles/2026-11-28-http2.txt).  A slow handler must not hold
-;;;; up the tasks behind it, though: a task queued arms a nudge, a timer
+;;;; up the tasks behind it, though: a task queued arms a nudge, called
 ;;;; +TASK-NUDGE-MILLISECONDS+ later, which makes the task eventfd readable
 ;;;; while tasks still wait; the worker it wakes takes one, and makes it
 ;;;; readable again while more wait, so that each waiting task soon has a
@@ -14,7 +14,7 @@
 ;;;; the eventfd).  The eventfd is watched one-shot; the worker it wakes
 ;;;; clears it and arms it again.
 ;;;;
-;;;; CALL-SOON defers a call briefly, by the same means: one timer for all
+;;;; CALL-SOON defers a call, such as the nudge, briefly: one timer for all
 ;;;; the calls due within +TASK-NUDGE-MILLISECONDS+.
 ;;;;
 ;;;; TASKS-LOCK guards the queue, the calls and their flags, never held
@@ -24,6 +24,24 @@
 
 (defconstant +task-nudge-milliseconds+ 1
   "How long a task may wait in the queue before a worker is woken for it.")
+
+(defun call-soon (set function)
+  "Call FUNCTION, without arguments, in a worker within
++TASK-NUDGE-MILLISECONDS+, with the other calls due then, by one timer."
+  (let ((schedule-p nil))
+    (bt:with-lock-held ((readiness-set-tasks-lock set))
+      (push function (readiness-set-soon-calls set))
+      (unless (readiness-set-soon-timer-p set)
+        (setf (readiness-set-soon-timer-p set) t
+              schedule-p t)))
+    (when schedule-p
+      (schedule-timer (readiness-set-timers set) +task-nudge-milliseconds+ (lambda () (run-soon-calls set))))))
+
+(defun run-soon-calls (set)
+  "Call what CALL-SOON was given, oldest first."
+  (mapc #'funcall (reverse (bt:with-lock-held ((readiness-set-tasks-lock set))
+                             (setf (readiness-set-soon-timer-p set) nil)
+                             (shiftf (readiness-set-soon-calls set) '())))))
 
 (defun queue-worker-tasks (set tasks)
   "Add TASKS, functions of the worker's SERVING, in order, to SET's queue,
@@ -39,7 +57,7 @@ from any thread; a worker runs each."
           (setf (readiness-set-task-nudge-p set) t
                 nudge-p t)))
       (when nudge-p
-        (schedule-timer (readiness-set-timers set) +task-nudge-milliseconds+ (lambda () (nudge-task-workers set)))))))
+        (call-soon set (lambda () (nudge-task-workers set)))))))
 
 (defun nudge-task-workers (set)
   "The nudge: wake a worker for the tasks still waiting in SET's queue."
@@ -65,21 +83,3 @@ again first while more tasks wait, for the next worker."
       (signal-wakeup-fd (readiness-set-task-fd set)))
     (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-task-fd set) +task-token+)
     task))
-
-(defun call-soon (set function)
-  "Call FUNCTION, without arguments, in a worker within
-+TASK-NUDGE-MILLISECONDS+, with the other calls due then, by one timer."
-  (let ((schedule-p nil))
-    (bt:with-lock-held ((readiness-set-tasks-lock set))
-      (push function (readiness-set-soon-calls set))
-      (unless (readiness-set-soon-timer-p set)
-        (setf (readiness-set-soon-timer-p set) t
-              schedule-p t)))
-    (when schedule-p
-      (schedule-timer (readiness-set-timers set) +task-nudge-milliseconds+ (lambda () (run-soon-calls set))))))
-
-(defun run-soon-calls (set)
-  "Call what CALL-SOON was given, oldest first."
-  (mapc #'funcall (reverse (bt:with-lock-held ((readiness-set-tasks-lock set))
-                             (setf (readiness-set-soon-timer-p set) nil)
-                             (shiftf (readiness-set-soon-calls set) '())))))
