@@ -209,10 +209,11 @@ SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER: a write retried after WANT_WRITE may
 pass the same octets at another address (the garbage collector moves
 vectors).")
 
-(defun send-tls-octets (stream octets start end)
-  "Write the OCTETS from START below END through the TLS STREAM (flushed of
-what its buffer held) without waiting on its non-blocking socket.  The
-count of octets taken, :WOULD-BLOCK when the socket has no room, or :ERROR
+(defun call-tls-io (stream function octets start end)
+  "Call FUNCTION, cl+ssl's SSL-READ or SSL-WRITE, on the TLS STREAM's
+handle with the OCTETS from START below END, without waiting on its
+non-blocking socket: the count of octets read or written, 0 at the end of
+the stream, :WOULD-BLOCK when the socket has nothing or no room, or :ERROR
 (the client has gone, or TLS failed)."
   (declare (type (simple-array (unsigned-byte 8) (*)) octets) (type fixnum start end))
   (let ((handle (cl+ssl::ssl-stream-handle stream)))
@@ -221,18 +222,28 @@ count of octets taken, :WOULD-BLOCK when the socket has no room, or :ERROR
         (handler-case
             (progn
               (forget-tls-errors)
-              (cl+ssl::ssl-ctrl handle +ssl-ctrl-mode+ +ssl-mode-partial-writes+ (cffi:null-pointer))
               (let ((result (cffi:with-pointer-to-vector-data (pointer octets)
                               (let ((cl+ssl::*socket* (cl+ssl::ssl-stream-socket stream)))
-                                (cl+ssl::ssl-write handle (cffi:inc-pointer pointer start) (- end start))))))
+                                (funcall function handle (cffi:inc-pointer pointer start) (- end start))))))
                 (if (plusp result)
                     result
                     (let ((error-code (cl+ssl::ssl-get-error handle result)))
-                      (if (or (eql error-code cl+ssl::+ssl-error-want-write+)
-                              (eql error-code cl+ssl::+ssl-error-want-read+))
-                          :would-block
-                          :error)))))
+                      (cond ((or (eql error-code cl+ssl::+ssl-error-want-read+)
+                                 (eql error-code cl+ssl::+ssl-error-want-write+))
+                             :would-block)
+                            ((eql error-code cl+ssl::+ssl-error-zero-return+) 0)
+                            (t :error))))))
           (error () :error)))))
+
+(defun send-tls-octets (stream octets start end)
+  "Write the OCTETS from START below END through the TLS STREAM (flushed of
+what its buffer held) without waiting on its non-blocking socket
+(CALL-TLS-IO): the count of octets taken, :WOULD-BLOCK when the socket has
+no room, else 0 or :ERROR (the client has gone, or TLS failed)."
+  (let ((handle (cl+ssl::ssl-stream-handle stream)))
+    (when handle
+      (cl+ssl::ssl-ctrl handle +ssl-ctrl-mode+ +ssl-mode-partial-writes+ (cffi:null-pointer)))
+    (call-tls-io stream #'cl+ssl::ssl-write octets start end)))
 
 (defun tls-stream-p (stream)
   "True when STREAM is cl+ssl's own TLS stream, which RECEIVE-TLS-OCTETS reads."
@@ -241,26 +252,11 @@ count of octets taken, :WOULD-BLOCK when the socket has no room, or :ERROR
 (defun receive-tls-octets (stream octets start end)
   "Read into OCTETS from START below END what the TLS STREAM has decrypted
 or can decrypt without waiting on its non-blocking socket, in one
-SSL_read, after the octet LISTEN peeked, if any: the count, 0 at the end of
-the stream, :WOULD-BLOCK, or :ERROR.  cl+ssl's READ-BYTE and LISTEN take
-one SSL_read an octet."
-  (declare (type (simple-array (unsigned-byte 8) (*)) octets) (type fixnum start end))
-  (let ((handle (cl+ssl::ssl-stream-handle stream))
-        (peeked (shiftf (cl+ssl::ssl-stream-peeked-byte stream) nil)))
-    (cond ((null handle) :error)
-          (peeked (setf (aref octets start) peeked) 1)
-          (t (handler-case
-                 (progn
-                   (forget-tls-errors)
-                   (let ((result (cffi:with-pointer-to-vector-data (pointer octets)
-                                   (let ((cl+ssl::*socket* (cl+ssl::ssl-stream-socket stream)))
-                                     (cl+ssl::ssl-read handle (cffi:inc-pointer pointer start) (- end start))))))
-                     (if (plusp result)
-                         result
-                         (let ((error-code (cl+ssl::ssl-get-error handle result)))
-                           (cond ((or (eql error-code cl+ssl::+ssl-error-want-read+)
-                                      (eql error-code cl+ssl::+ssl-error-want-write+))
-                                  :would-block)
-                                 ((eql error-code cl+ssl::+ssl-error-zero-return+) 0)
-                                 (t :error))))))
-               (error () :error))))))
+SSL_read (CALL-TLS-IO), after the octet LISTEN peeked, if any: the count,
+0 at the end of the stream, :WOULD-BLOCK, or :ERROR.  cl+ssl's READ-BYTE
+and LISTEN take one SSL_read an octet."
+  (declare (type (simple-array (unsigned-byte 8) (*)) octets) (type fixnum start))
+  (let ((peeked (shiftf (cl+ssl::ssl-stream-peeked-byte stream) nil)))
+    (if peeked
+        (progn (setf (aref octets start) peeked) 1)
+        (call-tls-io stream #'cl+ssl::ssl-read octets start end))))

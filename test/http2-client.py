@@ -38,6 +38,27 @@ def connect(port):
     return sock
 
 
+def frames_of(sock):
+    """The frames the server sends on SOCK, parsed, as they arrive, until it
+    closes the connection or the socket times out."""
+    buffer = b""
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return
+            buffer += data
+            while len(buffer) >= 9:
+                frame, length = Frame.parse_frame_header(memoryview(buffer[:9]))
+                if len(buffer) < 9 + length:
+                    break
+                frame.parse_body(memoryview(buffer[9:9 + length]))
+                buffer = buffer[9 + length:]
+                yield frame
+    except OSError:
+        return
+
+
 class Reader(threading.Thread):
     """Reads the server's frames until it closes, keeping its GOAWAY's code."""
 
@@ -48,23 +69,9 @@ class Reader(threading.Thread):
         self.closed = threading.Event()
 
     def run(self):
-        buffer = b""
-        try:
-            while True:
-                data = self.sock.recv(65536)
-                if not data:
-                    break
-                buffer += data
-                while len(buffer) >= 9:
-                    frame, length = Frame.parse_frame_header(memoryview(buffer[:9]))
-                    if len(buffer) < 9 + length:
-                        break
-                    frame.parse_body(memoryview(buffer[9:9 + length]))
-                    buffer = buffer[9 + length:]
-                    if isinstance(frame, GoAwayFrame):
-                        self.goaway = frame.error_code
-        except OSError:
-            pass
+        for frame in frames_of(self.sock):
+            if isinstance(frame, GoAwayFrame):
+                self.goaway = frame.error_code
         self.closed.set()
 
 
@@ -120,27 +127,16 @@ def refill(port, count, path):
     sock.sendall(b"".join(HeadersFrame(2 * (count + i) + 1, request_block(encoder, path),
                                        flags=["END_HEADERS", "END_STREAM"]).serialize()
                           for i in range(count)))
-    refused, answered, buffer = 0, 0, b""
+    refused, answered = 0, 0
     sock.settimeout(5)
-    try:
-        while refused + answered < count:
-            data = sock.recv(65536)
-            if not data:
-                break
-            buffer += data
-            while len(buffer) >= 9:
-                frame, length = Frame.parse_frame_header(memoryview(buffer[:9]))
-                if len(buffer) < 9 + length:
-                    break
-                frame.parse_body(memoryview(buffer[9:9 + length]))
-                buffer = buffer[9 + length:]
-                if frame.stream_id > 2 * count:
-                    if isinstance(frame, RstStreamFrame) and frame.error_code == 7:
-                        refused += 1
-                    elif isinstance(frame, HeadersFrame):
-                        answered += 1
-    except OSError:
-        pass
+    for frame in frames_of(sock):
+        if frame.stream_id > 2 * count:
+            if isinstance(frame, RstStreamFrame) and frame.error_code == 7:
+                refused += 1
+            elif isinstance(frame, HeadersFrame):
+                answered += 1
+        if refused + answered >= count:
+            break
     sock.close()
     return {"refused": refused, "answered": answered}
 
@@ -152,23 +148,13 @@ def timed(port, paths):
     sock.sendall(b"".join(HeadersFrame(2 * i + 1, request_block(encoder, path),
                                        flags=["END_HEADERS", "END_STREAM"]).serialize()
                           for i, path in enumerate(paths)))
-    began, buffer = {}, b""
+    began = {}
     sock.settimeout(10)
-    try:
-        while len(began) < len(paths):
-            data = sock.recv(65536)
-            if not data:
-                break
-            buffer += data
-            while len(buffer) >= 9:
-                frame, length = Frame.parse_frame_header(memoryview(buffer[:9]))
-                if len(buffer) < 9 + length:
-                    break
-                buffer = buffer[9 + length:]
-                if isinstance(frame, HeadersFrame) and frame.stream_id not in began:
-                    began[frame.stream_id] = round((time.monotonic() - start) * 1000)
-    except OSError:
-        pass
+    for frame in frames_of(sock):
+        if isinstance(frame, HeadersFrame) and frame.stream_id not in began:
+            began[frame.stream_id] = round((time.monotonic() - start) * 1000)
+        if len(began) >= len(paths):
+            break
     sock.close()
     return {"milliseconds": [began.get(2 * i + 1) for i in range(len(paths))]}
 
