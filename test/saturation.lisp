@@ -255,3 +255,88 @@ SET started, and no worker."
                    (hrt::parked-connection-count set))
                (is (eql 2 (accept-queue-length port))))
           (mapc #'usocket:socket-close clients))))))
+
+(test saturation.one-wait-takes-several-connections-and-the-sweep-takes-those-queued
+  (with-engine-without-workers (engine set port)
+    (let ((clients '())
+          (epoll-fd (hrt::readiness-set-epoll-fd set))
+          (task (lambda (serving) (declare (ignore serving)))))
+      (flet ((connection-of (token)
+               (svref (hrt::readiness-set-slots set) (hrt::slot-index token))))
+        (unwind-protect
+             (progn
+               (dotimes (index 5)
+                 (let ((socket (connect-to-port port)))
+                   (push socket clients)
+                   (send-text socket (get-request "/test/yo"))))
+               (is-true (wait-until (lambda () (eql 5 (accept-queue-length port)))))
+               ;; Taken as by a worker woken late while no worker is free:
+               ;; the four behind the first are parked, their heads there.
+               (setf (hrt::readiness-set-listen-armed-at set) (- (hrt::monotonic-microseconds) 20000))
+               (hrt::close-connection set (hrt::take-new-connection engine set))
+               (is (= 4 (hrt::parked-connection-count set)))
+               (sb-alien:with-alien ((events (array (sb-alien:unsigned 8) #.(* 16 hrt::+epoll-event-bytes+))))
+                 (let* ((sap (sb-alien:alien-sap events))
+                        (count (hrt::epoll-wait-into epoll-fd 1000 sap 16))
+                        (first (progn (hrt::queue-worker-tasks set (list task))
+                                      (hrt::take-reported-tokens set sap count)))
+                        (queued (remove task (hrt::readiness-set-tasks set))))
+                   (is (eql 4 count) "one epoll_wait reports the four connections: ~S" count)
+                   (is (>= first hrt::+first-connection-token+))
+                   (is (= 3 (length queued)) "the three beside the one served wait as tasks: ~S" queued)
+                   (is (equal (list task) (remove-if #'integerp (hrt::readiness-set-tasks set)))
+                       "after the task queued before them")
+                   (hrt::close-connection set (hrt::take-ready-connection set first))
+                   ;; The sweep, woken for the tasks while no worker is free,
+                   ;; takes the queued connections as reported ones: each head
+                   ;; complete, each waits for a worker under the queue timeout.
+                   (is-false (hrt::sweep-reported-token engine set hrt::+task-token+))
+                   (is (equal (list task) (hrt::readiness-set-tasks set)) "the function task stays for a worker")
+                   (dolist (token queued)
+                     (is (eql 503 (hrt::connection-timeout-status (connection-of token))))
+                     (is (eq :parked (hrt::connection-state (connection-of token))))))))
+          (hrt::pop-worker-task set)
+          (mapc #'usocket:socket-close clients))))))
+
+(ht:define-easy-handler (test-spin :uri "/test/spin") ()
+  (setf (ht:content-type*) "text/plain")
+  ;; Busy for 0.8 ms: a quick request, after which the worker takes
+  ;; several events from one wait.
+  (loop with end = (+ (get-internal-real-time) (round (* 8/10000 internal-time-units-per-second)))
+        until (>= (get-internal-real-time) end))
+  "spun")
+
+(test saturation.connections-reported-beside-a-held-one-are-answered-meanwhile
+  ;; Both workers spin while one held request and eight quick ones arrive;
+  ;; whichever worker then takes them in one wait holds the first and
+  ;; leaves the rest queued, which the other worker must answer within the
+  ;; nudge, not after the held handler.
+  (with-readiness-server (server :taskmaster (two-worker-pool))
+    (let ((spinners (loop repeat 2 collect (connect server)))
+          (held (connect server))
+          (quick (loop repeat 8 collect (connect server))))
+      (setf *holding-released-p* nil)
+      (unwind-protect
+           (progn
+             (dolist (socket (list* held (append spinners quick)))
+               (send-text socket (get-request "/test/yo"))
+               (is (eql 200 (read-response socket))))
+             (is-true (connections-parked-p server 11))
+             (dotimes (round 3)
+               (dolist (socket spinners)
+                 (send-text socket (get-request "/test/spin")))
+               (send-text held (get-request "/test/hold"))
+               (dolist (socket quick)
+                 (send-text socket (get-request "/test/yo")))
+               (let ((start (get-internal-real-time)))
+                 (dolist (socket quick)
+                   (is (eql 200 (read-response socket :timeout 5))))
+                 (is (< (seconds-since start) 1) "the quick ones answered in ~,3F s while one is held"
+                     (seconds-since start)))
+               (setf *holding-released-p* t)
+               (is (eql 200 (read-response held)))
+               (dolist (socket spinners)
+                 (is (eql 200 (read-response socket))))
+               (setf *holding-released-p* nil)))
+        (setf *holding-released-p* t)
+        (mapc #'usocket:socket-close (list* held (append spinners quick)))))))

@@ -75,7 +75,7 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
                while token
                do (cond ((= token +timer-token+) (run-timers-serving-completions engine set serving))
                         ((= token +task-token+) (run-worker-task serving (take-woken-task set)))
-                        (t (serve-ready-token engine worker set serving token)))
+                        (t (serve-ready-token serving token)))
                   (run-queued-tasks set serving))
       (free-reply-coders (shiftf (serving-coders serving) nil)))))
 
@@ -98,11 +98,13 @@ parked for output, for any worker."
 
 (defun run-worker-task (serving task)
   "Run TASK (worker-tasks.lisp), unless it is NIL, in the worker of
-SERVING; an error escaping it is logged."
-  (when task
-    (handler-case (funcall task serving)
-      (error (condition)
-        (log-safely (serving-acceptor serving) :error "Error in a worker task: ~A" condition)))))
+SERVING: serve the token it is, or call it; an error escaping a function
+is logged."
+  (cond ((null task))
+        ((integerp task) (serve-ready-token serving task))
+        (t (handler-case (funcall task serving)
+             (error (condition)
+               (log-safely (serving-acceptor serving) :error "Error in a worker task: ~A" condition))))))
 
 (defun run-queued-tasks (set serving)
   "Run the tasks waiting in SET's queue, oldest first, until none waits."
@@ -110,10 +112,13 @@ SERVING; an error escaping it is logged."
         while task
         do (run-worker-task serving task)))
 
-(defun serve-ready-token (engine worker set serving token)
-  "Serve what TOKEN, reported to WORKER by SET, stands for: a new connection
+(defun serve-ready-token (serving token)
+  "Serve what TOKEN, reported by SERVING's set, stands for: a new connection
 on the listening socket, or a parked one."
-  (let* ((new-p (= token +listen-token+))
+  (let* ((engine (serving-engine serving))
+         (set (serving-set serving))
+         (worker (serving-worker serving))
+         (new-p (= token +listen-token+))
          (connection (if new-p
                          (when-accepting (set) (take-new-connection engine set))
                          (take-ready-connection set token))))

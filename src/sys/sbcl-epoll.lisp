@@ -51,21 +51,33 @@ ready, as at each edge after."
   "Keep FD in the set but report nothing for it until it is armed again."
   (epoll-control epoll-fd +epoll-ctl-mod+ fd token 0))
 
-(defun epoll-wait-one (epoll-fd milliseconds)
-  "Wait up to MILLISECONDS for one ready descriptor: its token, :TIMEOUT, or
+(defun epoll-wait-into (epoll-fd milliseconds sap capacity)
+  "epoll_wait(2) for up to CAPACITY events into the memory at SAP, waiting up
+to MILLISECONDS: how many were reported (at least one), :TIMEOUT, or
 :INTERRUPTED (EINTR: SBCL stops every thread with a signal for garbage
 collection several times a second, and interrupts arrive the same way)."
+  (let ((count (sb-alien:alien-funcall
+                (sb-alien:extern-alien "epoll_wait" (function sb-alien:int sb-alien:int
+                                                              sb-sys:system-area-pointer
+                                                              sb-alien:int sb-alien:int))
+                epoll-fd sap capacity milliseconds)))
+    (cond ((plusp count) count)
+          ((zerop count) :timeout)
+          ((= (sb-alien:get-errno) +eintr+) :interrupted)
+          (t (foreign-error "epoll_wait")))))
+
+(declaim (inline reported-token))
+(defun reported-token (sap index)
+  "The token of the INDEXth event EPOLL-WAIT-INTO wrote at SAP."
+  (sb-sys:sap-ref-64 sap (+ (* index +epoll-event-bytes+) +epoll-data-offset+)))
+
+(defun epoll-wait-one (epoll-fd milliseconds)
+  "Wait up to MILLISECONDS for one ready descriptor: its token, :TIMEOUT, or
+:INTERRUPTED (EPOLL-WAIT-INTO)."
   (sb-alien:with-alien ((event (array (sb-alien:unsigned 8) #.+epoll-event-bytes+)))
     (let* ((sap (sb-alien:alien-sap event))
-           (count (sb-alien:alien-funcall
-                   (sb-alien:extern-alien "epoll_wait" (function sb-alien:int sb-alien:int
-                                                                 sb-sys:system-area-pointer
-                                                                 sb-alien:int sb-alien:int))
-                   epoll-fd sap 1 milliseconds)))
-      (cond ((= count 1) (sb-sys:sap-ref-64 sap +epoll-data-offset+))
-            ((zerop count) :timeout)
-            ((= (sb-alien:get-errno) +eintr+) :interrupted)
-            (t (foreign-error "epoll_wait"))))))
+           (count (epoll-wait-into epoll-fd milliseconds sap 1)))
+      (if (integerp count) (reported-token sap 0) count))))
 
 (defun make-wakeup-fd (&key non-blocking)
   "An eventfd(2): once signalled it stays readable, so, watched level-triggered,

@@ -146,6 +146,31 @@ does: those wait in the kernel's queue."
       (accept-waiting-connections engine set))
     connection))
 
+(defun sweep-reported-token (engine set token)
+  "Take what TOKEN, reported by SET or queued for a worker, stands for as a
+worker would, note what it is and park it again.  False when the sweep is
+to end: stop, or tasks wait for a worker."
+  (cond ((= token +wakeup-token+) nil)
+        ((= token +timer-token+) (run-due-timers set (engine-acceptor engine)) t)
+        ((= token +task-token+)
+         ;; The connections queued beside the tasks are swept as reported
+         ;; ones; the tasks are for workers: reported again at once.
+         (dolist (queued (take-queued-tokens set))
+           (sweep-reported-token engine set queued))
+         (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-task-fd set) +task-token+)
+         nil)
+        ((= token +listen-token+)
+         (if (hunchentoot:acceptor-ssl-p (engine-acceptor engine))
+             ;; A TLS connection needs its handshake, which a worker does:
+             ;; it waits in the accept queue.
+             (rearm-listen-socket set)
+             (accept-waiting-connections engine set))
+         t)
+        (t (let ((connection (take-ready-connection set token)))
+             (when connection
+               (note-ready-connection engine set connection)))
+           t)))
+
 (defun sweep-while-no-worker-free (engine set)
   "While no worker is free, take what SET reports ready as a worker would and
 note what it is, parking it again.  Ends when a worker is free, nothing is
@@ -157,18 +182,5 @@ while ready is reported again."
              (case token
                (:interrupted)
                (:timeout (return))
-               (t (cond ((= token +wakeup-token+) (return))
-                        ((= token +timer-token+) (run-due-timers set (engine-acceptor engine)))
-                        ;; Tasks are for workers: reported again at once.
-                        ((= token +task-token+)
-                         (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-task-fd set) +task-token+)
-                         (return))
-                        ((= token +listen-token+)
-                         (if (hunchentoot:acceptor-ssl-p (engine-acceptor engine))
-                             ;; A TLS connection needs its handshake, which
-                             ;; a worker does: it waits in the accept queue.
-                             (rearm-listen-socket set)
-                             (accept-waiting-connections engine set)))
-                        (t (let ((connection (take-ready-connection set token)))
-                             (when connection
-                               (note-ready-connection engine set connection))))))))))
+               (t (unless (sweep-reported-token engine set token)
+                    (return)))))))

@@ -1,18 +1,24 @@
 ;;;; Tasks any worker may run, which are no connection's turn: the handler
-;;;; of an HTTP/2 stream, whose connection goes on being read meanwhile.
+;;;; of an HTTP/2 stream, whose connection goes on being read meanwhile; and
+;;;; the tokens a worker's wait reported beyond the one it serves
+;;;; (NEXT-READY-TOKEN), each a connection or the listening socket that any
+;;;; worker may take up as if the set had reported it to it.
 ;;;;
 ;;;; A task waits in the set's queue.  Every worker takes tasks from it
 ;;;; before it waits on the set again (RUN-QUEUED-TASKS), so that the worker
 ;;;; that read a connection's streams answers them itself, in order, without
 ;;;; waking another: waking a worker a stream cost more than the stream
-;;;; (bench/profiles/2026-11-28-http2.txt).  A slow handler must not hold
-;;;; up the tasks behind it, though: a task queued arms a nudge, called
-;;;; +TASK-NUDGE-MILLISECONDS+ later, which makes the task eventfd readable
-;;;; while tasks still wait; the worker it wakes takes one, and makes it
-;;;; readable again while more wait, so that each waiting task soon has a
-;;;; worker, and the pool grows when none waits (ENGINE-WORK-WAITING-P sees
-;;;; the eventfd).  The eventfd is watched one-shot; the worker it wakes
-;;;; clears it and arms it again.
+;;;; (bench/profiles/2026-11-28-http2.txt); and so that the connections one
+;;;; wait reported are served by it in turn, one epoll_wait for many.  A
+;;;; slow handler must not hold up the tasks behind it, though: a task queued
+;;;; arms a nudge, called +TASK-NUDGE-MILLISECONDS+ later, which makes the
+;;;; task eventfd readable while tasks still wait; the worker it wakes takes
+;;;; one, and makes it readable again while more wait, so that each waiting
+;;;; task soon has a worker, and the pool grows when none waits
+;;;; (ENGINE-WORK-WAITING-P sees the eventfd).  The eventfd is watched
+;;;; one-shot; the worker it wakes clears it and arms it again.  While no
+;;;; worker is free the sweep takes the queued tokens instead
+;;;; (TAKE-QUEUED-TOKENS), as it takes what the set reports.
 ;;;;
 ;;;; CALL-SOON defers a call, such as the nudge, briefly: one timer for all
 ;;;; the calls due within +TASK-NUDGE-MILLISECONDS+.
@@ -44,8 +50,9 @@
                              (shiftf (readiness-set-soon-calls set) '())))))
 
 (defun queue-worker-tasks (set tasks)
-  "Add TASKS, functions of the worker's SERVING, in order, to SET's queue,
-from any thread; a worker runs each."
+  "Add TASKS, in order, to SET's queue, from any thread; a worker runs each
+(RUN-WORKER-TASK).  A task is a function of the worker's SERVING, or the
+token of a connection or of the listening socket that the set reported."
   (when tasks
     (let ((nudge-p nil))
       (bt:with-lock-held ((readiness-set-tasks-lock set))
@@ -83,3 +90,14 @@ again first while more tasks wait, for the next worker."
       (signal-wakeup-fd (readiness-set-task-fd set)))
     (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-task-fd set) +task-token+)
     task))
+
+(defun take-queued-tokens (set)
+  "The tokens waiting in SET's queue, oldest first, taken out of it; its
+functions stay."
+  (bt:with-lock-held ((readiness-set-tasks-lock set))
+    (let ((tokens (remove-if-not #'integerp (readiness-set-tasks set))))
+      (when tokens
+        (let ((functions (delete-if #'integerp (readiness-set-tasks set))))
+          (setf (readiness-set-tasks set) functions
+                (readiness-set-tasks-tail set) (last functions))))
+      tokens)))
