@@ -256,7 +256,7 @@ SET started, and no worker."
                (is (eql 2 (accept-queue-length port))))
           (mapc #'usocket:socket-close clients))))))
 
-(test saturation.one-wait-takes-several-connections-and-the-sweep-takes-those-queued
+(test saturation.one-wait-takes-several-events-the-timer-first-and-the-sweep-those-queued
   (with-engine-without-workers (engine set port)
     (let ((clients '())
           (epoll-fd (hrt::readiness-set-epoll-fd set))
@@ -275,18 +275,21 @@ SET started, and no worker."
                (setf (hrt::readiness-set-listen-armed-at set) (- (hrt::monotonic-microseconds) 20000))
                (hrt::close-connection set (hrt::take-new-connection engine set))
                (is (= 4 (hrt::parked-connection-count set)))
+               ;; A timer due: reported with them, it goes first.
+               (hrt::schedule-timer (hrt::readiness-set-timers set) 0 (lambda ()))
+               (sleep 0.01)
                (sb-alien:with-alien ((events (array (sb-alien:unsigned 8) #.(* 16 hrt::+epoll-event-bytes+))))
                  (let* ((sap (sb-alien:alien-sap events))
                         (count (hrt::epoll-wait-into epoll-fd 1000 sap 16))
                         (first (progn (hrt::queue-worker-tasks set (list task))
                                       (hrt::take-reported-tokens set sap count)))
                         (queued (remove task (hrt::readiness-set-tasks set))))
-                   (is (eql 4 count) "one epoll_wait reports the four connections: ~S" count)
-                   (is (>= first hrt::+first-connection-token+))
-                   (is (= 3 (length queued)) "the three beside the one served wait as tasks: ~S" queued)
+                   (is (eql 5 count) "one epoll_wait reports the four connections and the timer: ~S" count)
+                   (is (eql hrt::+timer-token+ first) "the timer served first: ~S" first)
+                   (is (= 4 (length queued)) "the four connections wait as tasks: ~S" queued)
                    (is (equal (list task) (remove-if #'integerp (hrt::readiness-set-tasks set)))
                        "after the task queued before them")
-                   (hrt::close-connection set (hrt::take-ready-connection set first))
+                   (hrt::run-due-timers set (hrt::engine-acceptor engine))
                    ;; The sweep, woken for the tasks while no worker is free,
                    ;; takes the queued connections as reported ones: each head
                    ;; complete, each waits for a worker under the queue timeout.
@@ -298,7 +301,17 @@ SET started, and no worker."
           (hrt::pop-worker-task set)
           (mapc #'usocket:socket-close clients))))))
 
-(ht:define-easy-handler (test-spin :uri "/test/spin") ()
+(test saturation.a-refused-listening-socket-is-reported-no-more
+  ;; Hung up by a soft STOP, it would be reported to every wait until the
+  ;; socket is closed, the workers spinning on it meanwhile.
+  (with-engine-without-workers (engine set port)
+    (hrt::stop-accepting set)
+    (hrt::refuse-connections set)
+    (sb-alien:with-alien ((events (array (sb-alien:unsigned 8) #.(* 16 hrt::+epoll-event-bytes+))))
+      (is (eq :timeout (hrt::epoll-wait-into (hrt::readiness-set-epoll-fd set) 100
+                                             (sb-alien:alien-sap events) 16))))))
+
+(ht:define-easy-handler (test-busy-briefly :uri "/test/busy-briefly") ()
   (setf (ht:content-type*) "text/plain")
   ;; Busy for 0.8 ms: a quick request, after which the worker takes
   ;; several events from one wait.
@@ -324,7 +337,7 @@ SET started, and no worker."
              (is-true (connections-parked-p server 11))
              (dotimes (round 3)
                (dolist (socket spinners)
-                 (send-text socket (get-request "/test/spin")))
+                 (send-text socket (get-request "/test/busy-briefly")))
                (send-text held (get-request "/test/hold"))
                (dolist (socket quick)
                  (send-text socket (get-request "/test/yo")))

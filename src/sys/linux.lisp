@@ -11,6 +11,8 @@
 
 (defconstant +epoll-ctl-add+ 1)
 
+(defconstant +epoll-ctl-del+ 2)
+
 (defconstant +epoll-ctl-mod+ 3)
 
 (defconstant +epollin+ #x001)

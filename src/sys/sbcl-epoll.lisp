@@ -48,8 +48,14 @@ ready, as at each edge after."
   (epoll-control epoll-fd +epoll-ctl-mod+ fd token (epoll-events awaited trigger)))
 
 (defun epoll-disarm (epoll-fd fd token)
-  "Keep FD in the set but report nothing for it until it is armed again."
+  "Keep FD in the set but report nothing for it until it is armed again,
+but an error or a hang-up, which epoll reports whatever the mask says."
   (epoll-control epoll-fd +epoll-ctl-mod+ fd token 0))
+
+(defun epoll-forget (epoll-fd fd)
+  "Take FD out of the set: nothing is reported for it any more, a hang-up
+included, and arming it again fails."
+  (epoll-control epoll-fd +epoll-ctl-del+ fd 0 0))
 
 (defun epoll-wait-into (epoll-fd milliseconds sap capacity)
   "epoll_wait(2) for up to CAPACITY events into the memory at SAP, waiting up

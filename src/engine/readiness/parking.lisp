@@ -69,9 +69,8 @@ any worker (worker-tasks.lisp).")
 
 (defun rearm-reported-descriptor (set token)
   "Arm the timer or task descriptor TOKEN names again: one-shot, it was
-reported with others and is not served now; still readable, it is
-reported again to a waiting worker.  Never queued: each wakes a worker for
-what it stands for."
+reported with the other and is not served now; still readable, it is
+reported again to a waiting worker."
   (epoll-rearm (readiness-set-epoll-fd set)
                (if (= token +timer-token+) (timers-fd (readiness-set-timers set)) (readiness-set-task-fd set))
                token))
@@ -79,19 +78,23 @@ what it stands for."
 (defun take-reported-tokens (set sap count)
   "Of the COUNT tokens EPOLL-WAIT-INTO wrote at SAP, the one to serve now,
 or NIL when there was only the wakeup descriptor's (level-triggered, it
-means stop: seen at the top of the wait); the connections and the
-listening socket among the rest queued for any worker, the timer and task
-descriptors armed again."
-  (let ((first nil)
+means stop: seen at the top of the wait).  The timer or task descriptor
+goes first, the other armed again: one-shot, neither is ever queued, and
+neither may wait behind a descriptor reported at every wait (the listening
+socket hung up by a soft STOP, level-triggered).  The connections and the
+listening socket not served now are queued for any worker."
+  (let ((descriptor nil)
         (queued '()))
     (dotimes (index count)
       (let ((token (reported-token sap index)))
         (cond ((= token +wakeup-token+))
-              ((null first) (setf first token))
-              ((or (= token +timer-token+) (= token +task-token+)) (rearm-reported-descriptor set token))
-              (t (push token queued)))))
-    (queue-worker-tasks set (nreverse queued))
-    first))
+              ((not (or (= token +timer-token+) (= token +task-token+))) (push token queued))
+              ((null descriptor) (setf descriptor token))
+              (t (rearm-reported-descriptor set token)))))
+    (setf queued (nreverse queued))
+    (let ((first (or descriptor (pop queued))))
+      (queue-worker-tasks set queued)
+      first)))
 
 (defun next-ready-token (engine worker set)
   "Wait on SET until WORKER has something to serve: the token reported, or

@@ -205,7 +205,9 @@ the kernel refuses a client connecting from now on (ECONNREFUSED, which a
 load balancer retries elsewhere at once), where closing the socket later
 would reset those it had queued.  The descriptor stays open until the
 listening socket is closed, so its number is not taken by another socket
-while a worker may still name it."
+while a worker may still name it; it leaves the epoll set first, which
+would otherwise report its hang-up to every wait until then."
+  (epoll-forget (readiness-set-epoll-fd set) (readiness-set-listen-fd set))
   (shut-down-fd (readiness-set-listen-fd set)))
 
 (defun pause-accepting (set)
