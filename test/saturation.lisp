@@ -307,9 +307,12 @@ SET started, and no worker."
   (with-engine-without-workers (engine set port)
     (hrt::stop-accepting set)
     (hrt::refuse-connections set)
+    (signals usocket:connection-refused-error (usocket:socket-close (connect-to-port port)))
     (sb-alien:with-alien ((events (array (sb-alien:unsigned 8) #.(* 16 hrt::+epoll-event-bytes+))))
       (is (eq :timeout (hrt::epoll-wait-into (hrt::readiness-set-epoll-fd set) 100
-                                             (sb-alien:alien-sap events) 16))))))
+                                             (sb-alien:alien-sap events) 16))))
+    (hrt::sweep-while-no-worker-free engine set)
+    (is (zerop (hrt::readiness-set-connection-count set)) "the sweep found nothing to take")))
 
 (ht:define-easy-handler (test-busy-briefly :uri "/test/busy-briefly") ()
   (setf (ht:content-type*) "text/plain")
