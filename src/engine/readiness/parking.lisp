@@ -67,14 +67,6 @@ the header timeout from the accept."
 the first it serves, the rest wait in the set's queue of tasks for it or
 any worker (worker-tasks.lisp).")
 
-(defun rearm-reported-descriptor (set token)
-  "Arm the timer or task descriptor TOKEN names again: one-shot, it was
-reported with the other and is not served now; still readable, it is
-reported again to a waiting worker."
-  (epoll-rearm (readiness-set-epoll-fd set)
-               (if (= token +timer-token+) (timers-fd (readiness-set-timers set)) (readiness-set-task-fd set))
-               token))
-
 (defun take-reported-tokens (set sap count)
   "Of the COUNT tokens EPOLL-WAIT-INTO wrote at SAP, the one to serve now,
 or NIL when there was only the wakeup descriptor's (level-triggered, it
@@ -90,7 +82,7 @@ listening socket not served now are queued for any worker."
         (cond ((= token +wakeup-token+))
               ((not (or (= token +timer-token+) (= token +task-token+))) (push token queued))
               ((null descriptor) (setf descriptor token))
-              (t (rearm-reported-descriptor set token)))))
+              (t (rearm-own-descriptor set token)))))
     (setf queued (nreverse queued))
     (let ((first (or descriptor (pop queued))))
       (queue-worker-tasks set queued)

@@ -330,6 +330,16 @@ may be taken by a worker before or while FUNCTION runs."
           when (and connection (eq (connection-state connection) :parked))
             do (funcall function connection))))
 
+;;; The set's own one-shot descriptors.
+
+(defun rearm-own-descriptor (set token)
+  "Arm again the timer or task descriptor of SET that TOKEN names: watched
+one-shot, each is reported once until armed again, and reported again at
+once while it is still readable."
+  (epoll-rearm (readiness-set-epoll-fd set)
+               (if (= token +timer-token+) (timers-fd (readiness-set-timers set)) (readiness-set-task-fd set))
+               token))
+
 ;;; Timers.
 
 (defun run-due-timers (set acceptor)
@@ -338,7 +348,7 @@ after arming the descriptor again; an error escaping a timer's function is
 logged in ACCEPTOR's message log."
   (let* ((timers (readiness-set-timers set))
          (due (take-due-timers timers)))
-    (epoll-rearm (readiness-set-epoll-fd set) (timers-fd timers) +timer-token+)
+    (rearm-own-descriptor set +timer-token+)
     (dolist (timer due)
       (atomic-increment (timers-fired-count timers))
       (handler-case (funcall (timer-function timer))

@@ -157,7 +157,7 @@ to end: stop, or tasks wait for a worker."
          ;; ones; the tasks are for workers: reported again at once.
          (dolist (queued (take-queued-tokens set))
            (sweep-reported-token engine set queued))
-         (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-task-fd set) +task-token+)
+         (rearm-own-descriptor set +task-token+)
          nil)
         ((= token +listen-token+)
          (if (hunchentoot:acceptor-ssl-p (engine-acceptor engine))

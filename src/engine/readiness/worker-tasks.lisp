@@ -88,7 +88,7 @@ again first while more tasks wait, for the next worker."
   (multiple-value-bind (task more-p) (pop-worker-task set)
     (when more-p
       (signal-wakeup-fd (readiness-set-task-fd set)))
-    (epoll-rearm (readiness-set-epoll-fd set) (readiness-set-task-fd set) +task-token+)
+    (rearm-own-descriptor set +task-token+)
     task))
 
 (defun take-queued-tokens (set)
