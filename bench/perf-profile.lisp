@@ -102,6 +102,17 @@ callers of the first CALLERS of them."
       (loop for (name . count) in ranked
             repeat top
             do (format t "  ~5,2F% ~6D  ~A~%" (* 100 (/ count (max total 1))) count (short-name name)))
+      (let ((inclusive (make-hash-table :test #'equal)))
+        ;; A function counts once in a sample however often it recurs there.
+        (dolist (sample samples)
+          (dolist (name (remove-duplicates sample :test #'equal))
+            (incf (gethash name inclusive 0))))
+        (format t "~%Inclusive (the samples in which each ran or was on the stack):~%")
+        (loop for (name . count) in (sort (loop for name being the hash-keys of inclusive using (hash-value count)
+                                                collect (cons name count))
+                                          #'> :key #'cdr)
+              repeat (* 2 top)
+              do (format t "  ~5,2F% ~6D  ~A~%" (* 100 (/ count (max total 1))) count (short-name name))))
       (format t "~%Callers of the first ~D:~%" callers)
       (loop for (name) in ranked
             repeat callers
