@@ -88,45 +88,45 @@ frames' names, innermost first."
                               (cl-ppcre:regex-replace-all "HUNCHENTOOT-RECYCLING-TASKMASTER(?=:)" name "HRT")
                               "HT"))
 
+(defun counts-ranked (counts)
+  "The entries of the hash table COUNTS (name -> count) as (name . count),
+the highest count first."
+  (sort (loop for name being the hash-keys of counts using (hash-value count)
+              collect (cons name count))
+        #'> :key #'cdr))
+
 (defun print-perf-report (samples &key (top 40) (callers 12))
-  "The TOP functions by samples in which they ran themselves, and the
-callers of the first CALLERS of them."
+  "The TOP functions by samples in which they ran themselves, the 2 x TOP
+by samples in which they ran or were on the stack (inclusive), and the
+callers of the first CALLERS of the former."
   (let ((self (make-hash-table :test #'equal))
+        (inclusive (make-hash-table :test #'equal))
         (total (length samples)))
     (dolist (sample samples)
-      (incf (gethash (first sample) self 0)))
-    (let ((ranked (sort (loop for name being the hash-keys of self using (hash-value count)
-                              collect (cons name count))
-                        #'> :key #'cdr)))
-      (format t "~&~:D samples of user time.  Self:~%" total)
-      (loop for (name . count) in ranked
-            repeat top
-            do (format t "  ~5,2F% ~6D  ~A~%" (* 100 (/ count (max total 1))) count (short-name name)))
-      (let ((inclusive (make-hash-table :test #'equal)))
-        ;; A function counts once in a sample however often it recurs there.
-        (dolist (sample samples)
-          (dolist (name (remove-duplicates sample :test #'equal))
-            (incf (gethash name inclusive 0))))
+      (incf (gethash (first sample) self 0))
+      ;; A function counts once in a sample however often it recurs there.
+      (dolist (name (remove-duplicates sample :test #'equal))
+        (incf (gethash name inclusive 0))))
+    (flet ((print-shares (ranked count-printed)
+             (loop for (name . count) in ranked
+                   repeat count-printed
+                   do (format t "  ~5,2F% ~6D  ~A~%" (* 100 (/ count (max total 1))) count (short-name name)))))
+      (let ((ranked (counts-ranked self)))
+        (format t "~&~:D samples of user time.  Self:~%" total)
+        (print-shares ranked top)
         (format t "~%Inclusive (the samples in which each ran or was on the stack):~%")
-        (loop for (name . count) in (sort (loop for name being the hash-keys of inclusive using (hash-value count)
-                                                collect (cons name count))
-                                          #'> :key #'cdr)
-              repeat (* 2 top)
-              do (format t "  ~5,2F% ~6D  ~A~%" (* 100 (/ count (max total 1))) count (short-name name))))
-      (format t "~%Callers of the first ~D:~%" callers)
-      (loop for (name) in ranked
-            repeat callers
-            do (let ((counts (make-hash-table :test #'equal)))
-                 (dolist (sample samples)
-                   (when (and (equal (first sample) name) (second sample))
-                     (incf (gethash (second sample) counts 0))))
-                 (format t "  ~A~%" (short-name name))
-                 (loop for (caller . count) in (sort (loop for caller being the hash-keys of counts
-                                                           using (hash-value count)
-                                                           collect (cons caller count))
-                                                     #'> :key #'cdr)
-                       repeat 4
-                       do (format t "    ~6D  ~A~%" count (short-name caller))))))))
+        (print-shares (counts-ranked inclusive) (* 2 top))
+        (format t "~%Callers of the first ~D:~%" callers)
+        (loop for (name) in ranked
+              repeat callers
+              do (let ((counts (make-hash-table :test #'equal)))
+                   (dolist (sample samples)
+                     (when (and (equal (first sample) name) (second sample))
+                       (incf (gethash (second sample) counts 0))))
+                   (format t "  ~A~%" (short-name name))
+                   (loop for (caller . count) in (counts-ranked counts)
+                         repeat 4
+                         do (format t "    ~6D  ~A~%" count (short-name caller)))))))))
 
 (defun request-times (pid port seconds)
   "Requests/s of ours (process PID, on PORT) over SECONDS, and the user and
