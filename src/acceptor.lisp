@@ -81,8 +81,8 @@ before it is answered 503."))
   ((dispatch-chain
     :initform nil :accessor acceptor-dispatch-chain
     :documentation "The ACCEPTOR-DISPATCH-REQUEST methods that run after
-this class's, kept while the generic function's methods stay the same (see
-document-root.lisp)."))
+this class's, a DISPATCH-ANSWER kept while the generic function's methods
+stay the same (dispatch-answers.lisp)."))
   (:documentation "Serves the acceptor's HUNCHENTOOT:ACCEPTOR-DOCUMENT-ROOT
 by SERVE-STATIC-FILE (document-root.lisp) where Hunchentoot's last
 ACCEPTOR-DISPATCH-REQUEST method would serve it by HANDLE-STATIC-FILE,
@@ -363,7 +363,8 @@ checked, or an INVALID-ACCEPTOR-CONFIGURATION."
       (unless (= (length levels) (length (remove-duplicates levels :key #'car))) (refuse))
       levels)))
 
-(defclass parallel-easy-acceptor (parallel-acceptor hunchentoot:easy-acceptor static-document-root)
+(defclass parallel-easy-acceptor (parallel-acceptor indexed-easy-handlers hunchentoot:easy-acceptor
+                                  static-document-root)
   ()
   (:documentation "HUNCHENTOOT:EASY-ACCEPTOR served by a RECYCLING-TASKMASTER:
 DEFINE-EASY-HANDLER handlers and static files work as with EASY-ACCEPTOR."))

@@ -39,33 +39,19 @@ root or the path is refused."
   (make-replacing-method '(acceptor request) 'serve-document-root)
   "SERVE-DOCUMENT-ROOT as a method, to stand in Hunchentoot's last one's place.")
 
-(defstruct (dispatch-chain (:constructor make-dispatch-chain (methods-list acceptor-class request-class methods)))
-  "The methods after ours in an acceptor's dispatch, for the generic
-function's methods as they were (METHODS-LIST) and the classes of the
-acceptor and request."
-  (methods-list nil :read-only t)
-  (acceptor-class nil :read-only t)
-  (request-class nil :read-only t)
-  (methods '() :type list :read-only t))
-
-(defun dispatch-chain (acceptor request)
+(defun document-root-chain (acceptor request)
   "The primary methods CALL-NEXT-METHOD would run after the document root
 method for ACCEPTOR and REQUEST, Hunchentoot's last one replaced by
-SERVE-DOCUMENT-ROOT; the chain kept in ACCEPTOR while still true."
-  (let ((kept (acceptor-dispatch-chain acceptor))
-        (methods-list (generic-function-methods-list #'hunchentoot:acceptor-dispatch-request)))
-    (if (and kept
-             (eq (dispatch-chain-methods-list kept) methods-list)
-             (eq (dispatch-chain-acceptor-class kept) (class-of acceptor))
-             (eq (dispatch-chain-request-class kept) (class-of request)))
-        (dispatch-chain-methods kept)
-        (let ((methods (substitute *serve-document-root-method* (hunchentoot-last-dispatch-method)
-                                   (primary-methods-after (document-root-method)
-                                                          #'hunchentoot:acceptor-dispatch-request
-                                                          (list acceptor request)))))
-          (setf (acceptor-dispatch-chain acceptor)
-                (make-dispatch-chain methods-list (class-of acceptor) (class-of request) methods))
-          methods))))
+SERVE-DOCUMENT-ROOT."
+  (substitute *serve-document-root-method* (hunchentoot-last-dispatch-method)
+              (primary-methods-after (document-root-method) #'hunchentoot:acceptor-dispatch-request
+                                     (list acceptor request))))
+
+(defun dispatch-chain (acceptor request)
+  "DOCUMENT-ROOT-CHAIN, kept in ACCEPTOR while still true."
+  (dispatch-answer-answer
+   (setf (acceptor-dispatch-chain acceptor)
+         (kept-dispatch-answer (acceptor-dispatch-chain acceptor) acceptor request #'document-root-chain))))
 
 (defmethod hunchentoot:acceptor-dispatch-request ((acceptor static-document-root) request)
   "Dispatch as the methods after this one would, with the document root

@@ -106,6 +106,27 @@ its type is text, as Hunchentoot reads it, else NIL."
 HUNCHENTOOT:HEADERS-OUT of a PARALLEL-REPLY checks them as it returns them."
   (slot-value reply 'hunchentoot:headers-out))
 
+(defun easy-handler-alist ()
+  "Hunchentoot's list of easy handlers, as DEFINE-EASY-HANDLER keeps it:
+each a list of the path (or a predicate of the request), the acceptor names
+(or T), the handler's name and, from Hunchentoot 1.3, the host (or NIL);
+the latest first."
+  hunchentoot::*easy-handler-alist*)
+
+(defun (setf reply-headers) (headers reply)
+  "Replace REPLY's outgoing headers alist, in its slot."
+  (setf (slot-value reply 'hunchentoot:headers-out) headers))
+
+(defun (setf reply-content-length) (length reply)
+  "Set what HUNCHENTOOT:CONTENT-LENGTH of REPLY returns, as Hunchentoot's
+(SETF HEADER-OUT) of Content-Length does beside the header."
+  (setf (slot-value reply 'hunchentoot:content-length) length))
+
+(defun (setf reply-content-type) (content-type reply)
+  "Set what HUNCHENTOOT:CONTENT-TYPE of REPLY returns, as Hunchentoot's
+(SETF HEADER-OUT) of Content-Type does beside the header."
+  (setf (slot-value reply 'hunchentoot:content-type) content-type))
+
 (defun (setf request-headers-in) (headers request)
   "Replace what HUNCHENTOOT:HEADERS-IN of REQUEST returns."
   (setf (slot-value request 'hunchentoot::headers-in) headers))

@@ -246,3 +246,114 @@ octets of a printed buffer (S is 83)."
       (is (search "This handler fails on purpose." text) "the error is logged")
       (is (not (shows-secret-p text)) "the log holds no other client's bytes")
       (is (< (length text) 10240) "the log entry is ~D characters" (length text)))))
+
+;;; Easy handlers found by the index (easy-handler-index.lisp): whatever it
+;;; answers is what Hunchentoot's DISPATCH-EASY-HANDLERS answers.
+
+(defun request-for-path (path &optional (host "localhost"))
+  "A request object with only its path and Host header, as the dispatchers read them."
+  (let ((request (allocate-instance (find-class 'ht:request))))
+    (setf (slot-value request 'ht::script-name) path
+          (slot-value request 'ht::headers-in) (list (cons :host host)))
+    request))
+
+(defun index-answers (alist paths)
+  "For each of PATHS: the index's answer and Hunchentoot's, with ALIST the easy handlers."
+  (let* ((acceptor (make-instance 'parallel-easy-acceptor :name :a))
+         (ht:*acceptor* acceptor)
+         (ht::*easy-handler-alist* alist))
+    (loop for path in paths
+          for request = (request-for-path path)
+          collect (list path (hrt::indexed-easy-handler acceptor request) (ht:dispatch-easy-handlers request)))))
+
+(test easy-handlers.index-answers-as-hunchentoot
+  (let ((paths '("/x" "/y" "/z" "/w" "/v" "/nope" "/X" "")))
+    ;; Only paths: the index answers every one Hunchentoot finds.
+    (loop for (path ours theirs) in (index-answers (list (list "/x" t 'h1) (list "/y" '(:a) 'h2) (list "/y" t 'h3)
+                                                         (list "/z" '(:b) 'h4) (list "/w" t 'h6) (list "/x" t 'h7)
+                                                         (list "/z" t 'h8))
+                                                   paths)
+          do (is (eq ours theirs) "~S: the index found ~S, Hunchentoot ~S" path ours theirs))
+    ;; A predicate and a host before some: those are left to Hunchentoot.
+    (loop for (path ours theirs) in (index-answers (list (list "/x" t 'h1)
+                                                         (list (lambda (request) (equal (ht:script-name request) "/w")) t 'h5)
+                                                         (list "/w" t 'h6) (list "/v" t 'h9 "elsewhere.example")
+                                                         (list "/v" t 'h10) (list "/z" '(:b) 'h4))
+                                                   paths)
+          do (is (or (null ours) (eq ours theirs)) "~S: the index found ~S, Hunchentoot ~S" path ours theirs)
+             (when (equal path "/x")
+               (is (eq 'h1 ours) "a path before the predicate is found by the index")))))
+
+(test easy-handlers.index-follows-changes-to-the-list
+  (let* ((alist (list (list "/x" t 'h1) (list "/y" t 'h2) (list "/z" t 'h3)))
+         (acceptor (make-instance 'parallel-easy-acceptor :name :a))
+         (ht:*acceptor* acceptor)
+         (ht::*easy-handler-alist* alist))
+    (flet ((found (path) (hrt::indexed-easy-handler acceptor (request-for-path path))))
+      (is (eq 'h2 (found "/y")))
+      ;; Deleted in place, the list's head the same.
+      (setf ht::*easy-handler-alist* (delete "/y" alist :key #'first :test #'equal))
+      (is (eq alist ht::*easy-handler-alist*))
+      (is (null (found "/y")) "a deleted handler is not found")
+      (is (eq 'h3 (ht:dispatch-easy-handlers (request-for-path "/z"))))
+      (is (member (found "/z") '(nil h3)))
+      ;; An entry's path changed in place.
+      (setf (first (first alist)) "/moved")
+      (is (null (found "/x")) "a handler whose path changed is not found by its old path")
+      (is (member (found "/moved") '(nil h1)) "nor by its new one but as Hunchentoot finds it")
+      ;; A handler defined again in front, as DEFINE-EASY-HANDLER does.
+      (push (list "/z" t 'h4) ht::*easy-handler-alist*)
+      (is (eq 'h4 (found "/z"))))))
+
+(ht:define-easy-handler (test-indexed :uri "/test/indexed") ()
+  ;; Defined after every handler whose path is a predicate: the index finds it.
+  (setf (ht:content-type*) "text/plain")
+  "indexed")
+
+(defun index-finds-p (path)
+  "True when a PARALLEL-EASY-ACCEPTOR's index finds a handler for PATH."
+  (let ((ht:*acceptor* (make-instance 'parallel-easy-acceptor)))
+    (hrt::indexed-easy-handler ht:*acceptor* (request-for-path path))))
+
+(defclass routes-first-acceptor (ht:easy-acceptor) ()
+  (:documentation "Answers /test/indexed itself, before the easy handlers, as a router mixin would."))
+
+(defmethod ht:acceptor-dispatch-request ((acceptor routes-first-acceptor) request)
+  (if (equal (ht:script-name request) "/test/indexed") "routed first" (call-next-method)))
+
+(defclass parallel-routes-first-acceptor (parallel-easy-acceptor routes-first-acceptor) ()
+  (:documentation "A mixin whose dispatch method falls between the index's and Hunchentoot's easy one."))
+
+(test easy-handlers.mixin-method-between-dispatches-first
+  (let ((class (find-class 'parallel-routes-first-acceptor)))
+    (sb-mop:finalize-inheritance class)
+    (is (member (find-class 'routes-first-acceptor)
+                (member (find-class 'hrt::indexed-easy-handlers) (sb-mop:class-precedence-list class)))
+        "the mixin comes after the index in the precedence list"))
+  (is-true (index-finds-p "/test/indexed"))
+  (with-server (server (make-server 'parallel-routes-first-acceptor))
+    (is (equal "routed first" (nth-value 1 (http-get server "/test/indexed"))))
+    (is (eql 200 (http-get server "/test/yo")) "the easy handlers still answer the rest")))
+
+(defun test-shadowing-dispatcher-page ()
+  "shadowed")
+
+(test easy-handlers.other-dispatchers-and-methods-first
+  (is-true (index-finds-p "/test/indexed"))
+  (with-server (server (make-server 'parallel-easy-acceptor))
+    (is (equal "indexed" (nth-value 1 (http-get server "/test/indexed"))))
+    ;; A dispatcher put before the easy handlers' is asked first.
+    (let ((table ht:*dispatch-table*))
+      (unwind-protect
+           (progn
+             (setf ht:*dispatch-table*
+                   (cons (ht:create-prefix-dispatcher "/test/indexed" 'test-shadowing-dispatcher-page) table))
+             (is (equal "shadowed" (nth-value 1 (http-get server "/test/indexed")))))
+        (setf ht:*dispatch-table* table)))
+    ;; A dispatch method defined while serving runs before the easy handlers.
+    (let ((method (eval '(defmethod ht:acceptor-dispatch-request ((acceptor parallel-easy-acceptor) request)
+                          (if (equal (ht:script-name request) "/test/indexed") "from a method" (call-next-method))))))
+      (unwind-protect
+           (is (equal "from a method" (nth-value 1 (http-get server "/test/indexed"))))
+        (remove-method #'ht:acceptor-dispatch-request method)))
+    (is (equal "indexed" (nth-value 1 (http-get server "/test/indexed"))))))

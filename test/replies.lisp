@@ -251,6 +251,42 @@ characters are base characters, and as a string with a fill pointer."
       (is (search "Location was refused" logged))
       (is (not (search "Injected" logged)) "the value is never logged"))))
 
+;;; Methods defined on the reply's header generic functions while serving:
+;;; the engine sets and reads a reply's headers in its slot only while
+;;; there are none (reply-headers.lisp).
+
+(defvar *headers-set* '())
+
+(defun yo-reply-text (server)
+  "The whole reply SERVER sends for /test/yo, as a Latin-1 string."
+  (with-connection (socket server)
+    (send-text socket (get-request "/test/yo"))
+    (read-whole-reply socket nil)))
+
+(test replies.header-methods-defined-while-serving-are-called
+  (with-server (server (make-server 'parallel-easy-acceptor))
+    (is (search "Hey!" (yo-reply-text server)))
+    (let ((setter (eval '(defmethod (setf ht:header-out) :after (value (name symbol) &optional reply)
+                          (declare (ignore value reply))
+                          (push name *headers-set*))))
+          (reader (eval '(defmethod ht:headers-out :around ((reply ht:reply))
+                          (if (hrt::headers-sent-p)
+                              (acons :x-added "by a method" (call-next-method))
+                              (call-next-method))))))
+      (setf *headers-set* '())
+      (unwind-protect
+           (let ((reply (yo-reply-text server)))
+             (is (search "X-Added: by a method" reply) "the reader's method: ~S" reply)
+             (dolist (name '(:server :date :content-length))
+               (is (member name *headers-set*) "~S set through (setf header-out): ~S" name *headers-set*)))
+        (remove-method #'(setf ht:header-out) setter)
+        (remove-method #'ht:headers-out reader))
+      (setf *headers-set* '())
+      (let ((reply (yo-reply-text server)))
+        (is (not (search "X-Added" reply)) "removed, the reader's method is not called")
+        (is (search "Content-Length: 4" reply))
+        (is (null *headers-set*) "removed, the setter's method is not called")))))
+
 ;;; Which road a reply takes: the engine's octets, or Hunchentoot's
 ;;; START-OUTPUT through the connection's stream.
 

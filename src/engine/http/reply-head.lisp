@@ -45,20 +45,32 @@
   (replace (room-for (length octets) head) octets :start1 (reply-head-end head))
   (incf (reply-head-end head) (length octets)))
 
+(declaim (inline unsafe-header-char-p))
+(defun unsafe-header-char-p (char)
+  ;; One comparison for the characters of common text, all above CR.
+  (let ((code (char-code char)))
+    (and (<= code 13) (or (= code 13) (= code 10) (= code 0)))))
+
 (defun push-text (string head)
   "Push the characters of STRING as Latin-1 octets, as Hunchentoot's header
-stream writes them; a character outside Latin-1 as ?."
+stream writes them; a character outside Latin-1 as ?.  True when STRING has
+a CR, LF or NUL (UNSAFE-HEADER-CHAR-P), found as it is copied."
   (declare (type string string) (type reply-head head))
   (let* ((end (length string))
          (octets (room-for end head))
-         (position (reply-head-end head)))
+         (position (reply-head-end head))
+         (unsafe-p nil))
     (declare (type fixnum position))
     (with-string-kind (string)
       (dotimes (index end)
-        (let ((code (char-code (char string index))))
-          (setf (aref octets position) (if (< code 256) code 63))
-          (incf position))))
-    (setf (reply-head-end head) position)))
+        (let ((char (char string index)))
+          (when (unsafe-header-char-p char)
+            (setf unsafe-p t))
+          (let ((code (char-code char)))
+            (setf (aref octets position) (if (< code 256) code 63))))
+        (incf position)))
+    (setf (reply-head-end head) position)
+    unsafe-p))
 
 (defun push-decimal (integer head)
   "Push the decimal digits of the non-negative INTEGER, consing nothing."
@@ -88,27 +100,22 @@ without its hash table lookups (1 to 3% of a 0 ms request)."
 
 (defun push-header-line (name value head)
   "Push the header line NAME: VALUE, VALUE as Hunchentoot writes it: a
-number in decimal, anything but a string as PRINC writes it.  VALUE has no
-CR, LF or NUL (REFUSE-UNSAFE-HEADER-VALUES)."
+number in decimal, anything but a string as PRINC writes it.  True when
+VALUE has a CR, LF or NUL, and the line is then not one to send
+(REFUSE-UNSAFE-HEADER-VALUES)."
   (push-text name head)
   (push-octet #.(char-code #\:) head)
   (push-octet #.(char-code #\Space) head)
-  (if (typep value '(integer 0))
-      (push-decimal value head)
-      (push-text (header-text value) head))
-  (push-crlf head))
+  (prog1 (if (typep value '(integer 0))
+             (progn (push-decimal value head) nil)
+             (push-text (header-text value) head))
+    (push-crlf head)))
 
 ;;; Header values that would end their line early.
 
 (defun header-text (value)
   "The text a header's VALUE is written as."
   (if (stringp value) value (princ-to-string value)))
-
-(declaim (inline unsafe-header-char-p))
-(defun unsafe-header-char-p (char)
-  ;; One comparison for the characters of common text, all above CR.
-  (let ((code (char-code char)))
-    (and (<= code 13) (or (= code 13) (= code 10) (= code 0)))))
 
 (defun unsafe-header-text-p (text)
   "True when TEXT has a CR, LF or NUL: written in a header, the line would
@@ -190,9 +197,9 @@ the result: handlers set the same literal content type again and again.")
 (defun content-type-with-charset (content-type external-format)
   "CONTENT-TYPE with the charset of EXTERNAL-FORMAT added if it is a text
 type without one, as Hunchentoot adds it to a string body's type."
-  (destructuring-bind (last-type last-format result) *content-type-with-charset*
-    (if (and (eq content-type last-type) (eq external-format last-format))
-        result
+  (let ((last *content-type-with-charset*))
+    (if (and (eq content-type (first last)) (eq external-format (second last)))
+        (third last)
         (let ((result (if (and (<= 4 (length content-type))
                                (string-equal "text" content-type :end2 4)
                                (not (charset-parameter-p content-type)))

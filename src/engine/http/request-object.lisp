@@ -316,17 +316,20 @@ for the request whose REQUEST-HEAD is HEAD, on a connection with ADDRESSES
 CONTENT-STREAM: made without Hunchentoot's initializer when it can be (see
 MAKE-PLAIN-REQUEST), else through it.  Its headers are the client's,
 whatever the initializer was shown."
-  (destructuring-bind (remote-addr remote-port local-addr local-port) addresses
-    (let ((headers (request-head-headers head))
-          (method (request-head-method head))
-          (uri (request-head-uri head))
-          (protocol (request-head-protocol head)))
-      (or (make-plain-request constructors acceptor headers content-stream method uri protocol
-                              remote-addr remote-port local-addr local-port)
-          (let* ((initializer-headers (headers-for-request-initializer headers))
-                 (request (funcall (object-constructors-request constructors)
-                                   acceptor local-addr local-port remote-addr remote-port
-                                   initializer-headers content-stream method uri protocol)))
-            (unless (eq initializer-headers headers)
-              (setf (request-headers-in request) headers))
-            request)))))
+  (let ((remote-addr (first addresses))
+        (remote-port (second addresses))
+        (local-addr (third addresses))
+        (local-port (fourth addresses))
+        (headers (request-head-headers head))
+        (method (request-head-method head))
+        (uri (request-head-uri head))
+        (protocol (request-head-protocol head)))
+    (or (make-plain-request constructors acceptor headers content-stream method uri protocol
+                            remote-addr remote-port local-addr local-port)
+        (let* ((initializer-headers (headers-for-request-initializer headers))
+               (request (funcall (object-constructors-request constructors)
+                                 acceptor local-addr local-port remote-addr remote-port
+                                 initializer-headers content-stream method uri protocol)))
+          (unless (eq initializer-headers headers)
+            (setf (request-headers-in request) headers))
+          request))))

@@ -13,29 +13,6 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defmethod hunchentoot:headers-out :around ((reply parallel-reply))
-  "The headers as they are read to be written (the headers are then marked
-sent: HUNCHENTOOT:START-OUTPUT marks them just before it reads them),
-refused when a value is unsafe (REFUSE-UNSAFE-HEADER-VALUES), and with
-Keep-Alive naming the acceptor's KEEP-ALIVE-TIMEOUT: START-OUTPUT writes
-timeout=<read timeout> when a client asks to be kept alive, but a parallel
-acceptor closes an idle connection after KEEP-ALIVE-TIMEOUT, and a client
-told otherwise would send its next request on a connection being closed.
-Hunchentoot's (SETF HEADER-OUT) cannot be specialized on the reply, its
-optional argument: hence the reader."
-  (when (and (headers-sent-p) *serving* (not *deciding-reply-coding*)
-             (acceptor-compression hunchentoot:*acceptor*))
-    ;; A streamed reply's head, about to be sent: coded from here on?
-    (let ((*deciding-reply-coding* t))
-      (code-streamed-reply hunchentoot:*request*)))
-  (let ((headers (call-next-method)))
-    (when (headers-sent-p)
-      (refuse-unsafe-header-values reply)
-      (let ((entry (and *serving* (assoc :keep-alive headers))))
-        (when entry
-          (setf (cdr entry) (serving-keep-alive-header-value *serving*)))))
-    headers))
-
 (defmethod hunchentoot:acceptor-log-access :around ((acceptor parallel-acceptor) &key return-code)
   "The access log entry, written as the methods below write it, just before
 the reply; one that fails costs its entry and a line in the message log,
@@ -50,72 +27,6 @@ signals), and on its own acceptor that request then goes unanswered."
                        (hunchentoot:remote-addr hunchentoot:*request*))
                   condition))))
 
-(defun connection-option-p (value option)
-  "True when OPTION is one of the comma-separated options of the Connection
-header VALUE, compared without case, as Hunchentoot's KEEP-ALIVE-P reads
-them: whitespace around each comma is not part of an option, whitespace at
-the ends of VALUE is."
-  (declare (type simple-string option))
-  (let ((value (if (simple-string-p value) value (coerce value 'simple-string)))
-        (length (length option)))
-    (flet ((whitespacep (char) (member char '(#\Space #\Tab #\Newline #\Return #\Page))))
-      (loop with end = (length value)
-            for start = 0 then (1+ comma)
-            for comma = (or (position #\, value :start start) end)
-            do (let ((option-start (if (plusp start)
-                                       (or (position-if-not #'whitespacep value :start start :end comma) comma)
-                                       start))
-                     (option-end (if (< comma end)
-                                     (1+ (or (position-if-not #'whitespacep value :start start :end comma :from-end t)
-                                             (1- start)))
-                                     comma)))
-                 (when (and (= (- option-end option-start) length)
-                            (string-equal value option :start1 option-start :end1 option-end))
-                   (return t)))
-            while (< comma end)))))
-
-(defun keep-alive-reply-p (request)
-  "What Hunchentoot's KEEP-ALIVE-P answers for REQUEST: true unless its
-headers or the acceptor forbid a persistent connection; second value, true
-when the client asked for one explicitly.  Hunchentoot splits the
-Connection header with a regular expression on every request; this reads it
-in place."
-  (let* ((value (hunchentoot:header-in :connection request))
-         (keep-alive-requested-p (and value (connection-option-p value "keep-alive"))))
-    (values (and (hunchentoot:acceptor-persistent-connections-p hunchentoot:*acceptor*)
-                 (case (hunchentoot:server-protocol request)
-                   (:http/1.1 (not (and value (connection-option-p value "close"))))
-                   (:http/1.0 keep-alive-requested-p)))
-            keep-alive-requested-p)))
-
-(defun set-connection-headers (request)
-  "Set the Connection and Keep-Alive headers and whether the connection
-ends after this reply, as START-OUTPUT does for a reply whose length is
-known."
-  (let ((acceptor hunchentoot:*acceptor*))
-    (multiple-value-bind (keep-alive-p keep-alive-requested-p) (keep-alive-reply-p request)
-      (cond (keep-alive-p
-             (setf (finish-processing-connection-p) nil)
-             (when (and (hunchentoot:acceptor-read-timeout acceptor)
-                        (or (not (eq (hunchentoot:server-protocol request) :http/1.1))
-                            keep-alive-requested-p))
-               (unless (hunchentoot:header-out :connection)
-                 (setf (hunchentoot:header-out :connection) "Keep-Alive"))
-               (setf (hunchentoot:header-out :keep-alive)
-                     (if *serving*
-                         (serving-keep-alive-header-value *serving*)
-                         (format nil "timeout=~D" (hunchentoot:acceptor-read-timeout acceptor))))))
-            ((not (header-out-set-p :connection))
-             (setf (hunchentoot:header-out :connection) "Close"))))))
-
-(defun set-server-and-date-headers ()
-  (unless (and (header-out-set-p :server) (null (hunchentoot:header-out :server)))
-    (setf (hunchentoot:header-out :server)
-          (or (hunchentoot:header-out :server)
-              (and *serving* (serving-server-header-value *serving*))
-              (acceptor-server-name hunchentoot:*acceptor*))))
-  (setf (hunchentoot:header-out :date) (date-header-value)))
-
 (defvar *ascii-compatible-format* (list nil nil)
   "The last external format ASCII-COMPATIBLE-FORMAT-P was asked about, and
 its answer: handlers use the same one again and again.")
@@ -123,9 +34,9 @@ its answer: handlers use the same one again and again.")
 (defun ascii-compatible-format-p (external-format)
   "True when EXTERNAL-FORMAT, a flexi-streams external format, encodes each
 ASCII character as its code, one octet, a newline included."
-  (destructuring-bind (last-format answer) *ascii-compatible-format*
-    (if (eq external-format last-format)
-        answer
+  (let ((last *ascii-compatible-format*))
+    (if (eq external-format (first last))
+        (second last)
         (let ((answer (and (eq (flex:external-format-eol-style external-format) :lf)
                            (member (flex:external-format-name external-format)
                                    '(:utf-8 :iso-8859-1 :latin-1 :ascii :us-ascii))
@@ -142,15 +53,27 @@ and body leave in one send(2).")
   (with-string-kind (string)
     (every (lambda (char) (< (char-code char) 128)) string)))
 
+(defvar *url-rewrite-content-type* (list nil nil nil)
+  "The last content type and HUNCHENTOOT:*CONTENT-TYPES-FOR-URL-REWRITE*
+URL-REWRITE-CONTENT-TYPE-P was asked about, and its answer: handlers set the
+same literal content type again and again.")
+
 (defun url-rewrite-content-type-p (content-type)
   "True when START-OUTPUT rewrites the links of a string body of
 CONTENT-TYPE for a session: it starts with one of
 HUNCHENTOOT:*CONTENT-TYPES-FOR-URL-REWRITE*, case counting."
-  (let ((content-type (or content-type "")))
-    (some (lambda (prefix)
-            (and (<= (length prefix) (length content-type))
-                 (string= prefix content-type :end2 (length prefix))))
-          hunchentoot:*content-types-for-url-rewrite*)))
+  (let ((prefixes hunchentoot:*content-types-for-url-rewrite*)
+        (last *url-rewrite-content-type*))
+    (if (and (eq content-type (first last)) (eq prefixes (second last)))
+        (third last)
+        (let* ((text (or content-type ""))
+               (answer (and (some (lambda (prefix)
+                                    (and (<= (length prefix) (length text))
+                                         (string= prefix text :end2 (length prefix))))
+                                  prefixes)
+                            t)))
+          (setf *url-rewrite-content-type* (list content-type prefixes answer))
+          answer))))
 
 (defun reply-body (content)
   "CONTENT, a string or octets, as the body SEND-REPLY-PIECES sends: octets,
@@ -165,7 +88,7 @@ whose generic encoder cost 2% of a 0 ms request."
     (setf content (rewrite-urls-for-session content)))
   (if (stringp content)
       (let ((external-format (hunchentoot:reply-external-format*)))
-        (setf (hunchentoot:content-type*)
+        (setf (reply-header :content-type (slot-reply))
               (content-type-with-charset (hunchentoot:content-type*) external-format))
         (cond ((not (and (ascii-compatible-format-p external-format) (ascii-string-p content)))
                (flex:string-to-octets content :external-format external-format))
@@ -184,39 +107,48 @@ body, headers not sent yet and no header stream to copy them to."
 
 (defun push-reply-head (return-code headers head omitted)
   "Make HEAD, a REPLY-HEAD, RETURN-CODE's status line, the HEADERS (an
-alist) but those named in OMITTED, the reply's cookies and the blank line."
+alist) but those named in OMITTED, the reply's cookies and the blank line.
+True when a value written has a CR, LF or NUL."
   (setf (reply-head-end head) 0)
   (push-octets (status-line return-code) head)
-  (loop for (name . value) in headers
-        when (and value (not (member name omitted)))
-          do (push-header-line (header-name-text name) value head))
-  (loop for (nil . cookie) in (hunchentoot:cookies-out*)
-        do (push-header-line "Set-Cookie" (cookie-header-value cookie) head))
-  (push-crlf head))
+  (let ((unsafe-p nil))
+    (loop for (name . value) in headers
+          when (and value (not (member name omitted)))
+            do (when (push-header-line (header-name-text name) value head)
+                 (setf unsafe-p t)))
+    (loop for (nil . cookie) in (hunchentoot:cookies-out*)
+          do (when (push-header-line "Set-Cookie" (cookie-header-value cookie) head)
+               (setf unsafe-p t)))
+    (push-crlf head)
+    unsafe-p))
+
+(defun write-reply-head (return-code head omitted slot-reply)
+  "Mark the current reply's headers sent and make HEAD its head
+(PUSH-REPLY-HEAD), without the headers named in OMITTED; then write its
+access log entry.  A value that would end its line is refused first
+(REFUSE-UNSAFE-HEADER-VALUES), as it is read or as it is written, and the
+reply that is not sent is not logged.  SLOT-REPLY: see SLOT-REPLY."
+  (let ((reply hunchentoot:*reply*))
+    (multiple-value-bind (headers unchecked-p) (headers-to-send reply slot-reply)
+      (when (and (push-reply-head return-code headers head omitted) unchecked-p)
+        (refuse-unsafe-header-values reply)))
+    (log-access return-code)))
 
 (defun build-reply-head (request return-code content-length)
   "Build RETURN-CODE's status line and the headers, for a body of
 CONTENT-LENGTH octets, in the worker's REPLY-HEAD: headers as START-OUTPUT
 sets them, the access log entry and the reading of an unread body as
 SEND-RESPONSE does.  Returns the REPLY-HEAD."
-  (set-connection-headers request)
-  (set-server-and-date-headers)
   (let ((head (if *serving* (serving-reply-head *serving*) (make-reply-head)))
-        (reply hunchentoot:*reply*))
-    (setf (hunchentoot:header-out :content-length) content-length
-          (headers-sent-p) t)
-    ;; Read once the headers are marked sent: a PARALLEL-REPLY's are checked
-    ;; as they are read; any other's here.  Before the access log, which
-    ;; would otherwise log a reply that is not sent.
-    (let ((headers (hunchentoot:headers-out reply)))
-      (unless (typep reply 'parallel-reply)
-        (refuse-unsafe-header-values reply))
-      (log-access return-code)
-      ;; Hunchentoot reads what is left of the body here; a request without
-      ;; one leaves nothing to read, and asking cost a percent of a request.
-      (when (request-has-body-p (hunchentoot:headers-in request))
-        (hunchentoot:raw-post-data :request request :force-binary t))
-      (push-reply-head return-code headers head '()))
+        (slot-reply (slot-reply)))
+    (set-connection-headers request slot-reply)
+    (set-server-and-date-headers slot-reply)
+    (setf (reply-header :content-length slot-reply) content-length)
+    (write-reply-head return-code head '() slot-reply)
+    ;; Hunchentoot reads what is left of the body here; a request without
+    ;; one leaves nothing to read, and asking cost a percent of a request.
+    (when (request-has-body-p (hunchentoot:headers-in request))
+      (hunchentoot:raw-post-data :request request :force-binary t))
     head))
 
 (defun engine-reply-connection ()
@@ -273,16 +205,11 @@ body as octets (SEND-REPLY-PIECES), coded as the client accepts
   "Send RETURN-CODE's status line, the headers as set, Server, Date and
 cookies, but those named in OMITTED, and no body: the head of a reply whose
 connection becomes something else.  Logged as any reply."
-  (set-server-and-date-headers)
-  (setf (headers-sent-p) t)
   (let ((head (serving-reply-head *serving*))
-        (reply hunchentoot:*reply*)
-        (stream (current-connection-stream)))
-    (let ((headers (hunchentoot:headers-out reply)))
-      (unless (typep reply 'parallel-reply)
-        (refuse-unsafe-header-values reply))
-      (log-access return-code)
-      (push-reply-head return-code headers head omitted))
+        (stream (current-connection-stream))
+        (slot-reply (slot-reply)))
+    (set-server-and-date-headers slot-reply)
+    (write-reply-head return-code head omitted slot-reply)
     (write-sequence (reply-head-octets head) stream :end (reply-head-end head))
     (finish-output stream)))
 

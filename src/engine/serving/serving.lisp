@@ -54,6 +54,11 @@
   ;; HUNCHENTOOT:ACCEPTOR-LOG-ACCESS's methods list it was given for.
   (access-log-methods nil)
   (access-log-answer nil)
+  ;; PLAIN-HEADER-METHODS-P's last answer, and the methods lists of (SETF
+  ;; HUNCHENTOOT:HEADER-OUT) and HUNCHENTOOT:HEADERS-OUT it was given for.
+  (header-setter-methods nil)
+  (header-reader-methods nil)
+  (plain-header-methods-answer nil)
   ;; The DEFERRED-REPLY the handler of the request being answered made
   ;; (DEFER-REPLY), or NIL.
   (deferred nil)
