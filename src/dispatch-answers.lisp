@@ -15,10 +15,10 @@ after one of ours, for the generic function's methods as they were
   (request-class nil :read-only t)
   (answer nil :read-only t))
 
-(defun kept-dispatch-answer (kept acceptor request compute)
+(defun current-dispatch-answer (kept acceptor request compute)
   "KEPT, a DISPATCH-ANSWER or NIL, while it is still true for ACCEPTOR and
 REQUEST; else a new one, whose answer COMPUTE, a function of ACCEPTOR and
-REQUEST, computes, for the caller to keep."
+REQUEST, computes."
   (let ((methods-list (generic-function-methods-list #'hunchentoot:acceptor-dispatch-request)))
     (if (and kept
              (eq (dispatch-answer-methods-list kept) methods-list)
@@ -27,3 +27,15 @@ REQUEST, computes, for the caller to keep."
         kept
         (make-dispatch-answer methods-list (class-of acceptor) (class-of request)
                               (funcall compute acceptor request)))))
+
+(defmacro kept-dispatch-answer (place acceptor request compute)
+  "The answer of the DISPATCH-ANSWER in PLACE (NIL at first) while it is
+still true for ACCEPTOR and REQUEST, else of a new one, kept in PLACE (see
+CURRENT-DISPATCH-ANSWER).  PLACE is written only when it changes: every
+worker reads it at every request."
+  (let ((kept (gensym "KEPT")) (current (gensym "CURRENT")))
+    `(let* ((,kept ,place)
+            (,current (current-dispatch-answer ,kept ,acceptor ,request ,compute)))
+       (unless (eq ,current ,kept)
+         (setf ,place ,current))
+       (dispatch-answer-answer ,current))))

@@ -49,9 +49,7 @@ SERVE-DOCUMENT-ROOT."
 
 (defun dispatch-chain (acceptor request)
   "DOCUMENT-ROOT-CHAIN, kept in ACCEPTOR while still true."
-  (dispatch-answer-answer
-   (setf (acceptor-dispatch-chain acceptor)
-         (kept-dispatch-answer (acceptor-dispatch-chain acceptor) acceptor request #'document-root-chain))))
+  (kept-dispatch-answer (acceptor-dispatch-chain acceptor) acceptor request #'document-root-chain))
 
 (defmethod hunchentoot:acceptor-dispatch-request ((acceptor static-document-root) request)
   "Dispatch as the methods after this one would, with the document root
