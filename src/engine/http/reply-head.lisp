@@ -190,6 +190,27 @@ whitespace then charset=, in any case."
                   (and (<= (+ start 8) (length content-type))
                        (string-equal "charset=" content-type :start2 start :end2 (+ start 8))))))
 
+;;; Answers asked for again and again: handlers set the same literal
+;;; content type, use the same external format, at every request.
+
+(defmacro remembering-last-answer ((place &rest keys) &body body)
+  "BODY's value for KEYS: the answer kept in PLACE when KEYS are, by EQ, the
+keys of the last time, else BODY's, kept there.  PLACE holds a list of the
+keys and the answer, replaced whole, so that any thread reads one answer
+with its own keys."
+  (let ((last (gensym "LAST"))
+        (answer (gensym "ANSWER"))
+        (key-variables (loop repeat (length keys) collect (gensym "KEY"))))
+    `(let ((,last ,place)
+           ,@(mapcar #'list key-variables keys))
+       (if (and ,@(loop for variable in key-variables
+                        for index from 0
+                        collect `(eq ,variable (nth ,index ,last))))
+           (nth ,(length keys) ,last)
+           (let ((,answer (progn ,@body)))
+             (setf ,place (list ,@key-variables ,answer))
+             ,answer)))))
+
 (defvar *content-type-with-charset* (list nil nil nil)
   "The last content type and external format the charset was added for, and
 the result: handlers set the same literal content type again and again.")
@@ -197,14 +218,9 @@ the result: handlers set the same literal content type again and again.")
 (defun content-type-with-charset (content-type external-format)
   "CONTENT-TYPE with the charset of EXTERNAL-FORMAT added if it is a text
 type without one, as Hunchentoot adds it to a string body's type."
-  (let ((last *content-type-with-charset*))
-    (if (and (eq content-type (first last)) (eq external-format (second last)))
-        (third last)
-        (let ((result (if (and (<= 4 (length content-type))
-                               (string-equal "text" content-type :end2 4)
-                               (not (charset-parameter-p content-type)))
-                          (format nil "~A; charset=~(~A~)" content-type
-                                  (flex:external-format-name external-format))
-                          content-type)))
-          (setf *content-type-with-charset* (list content-type external-format result))
-          result))))
+  (remembering-last-answer (*content-type-with-charset* content-type external-format)
+    (if (and (<= 4 (length content-type))
+             (string-equal "text" content-type :end2 4)
+             (not (charset-parameter-p content-type)))
+        (format nil "~A; charset=~(~A~)" content-type (flex:external-format-name external-format))
+        content-type)))

@@ -34,15 +34,10 @@ its answer: handlers use the same one again and again.")
 (defun ascii-compatible-format-p (external-format)
   "True when EXTERNAL-FORMAT, a flexi-streams external format, encodes each
 ASCII character as its code, one octet, a newline included."
-  (let ((last *ascii-compatible-format*))
-    (if (eq external-format (first last))
-        (second last)
-        (let ((answer (and (eq (flex:external-format-eol-style external-format) :lf)
-                           (member (flex:external-format-name external-format)
-                                   '(:utf-8 :iso-8859-1 :latin-1 :ascii :us-ascii))
-                           t)))
-          (setf *ascii-compatible-format* (list external-format answer))
-          answer))))
+  (remembering-last-answer (*ascii-compatible-format* external-format)
+    (and (eq (flex:external-format-eol-style external-format) :lf)
+         (member (flex:external-format-name external-format) '(:utf-8 :iso-8859-1 :latin-1 :ascii :us-ascii))
+         t)))
 
 (defconstant +coalesced-body-bytes+ 16384
   "A body of at most these octets goes into the head's buffer, so that head
@@ -62,18 +57,14 @@ same literal content type again and again.")
   "True when START-OUTPUT rewrites the links of a string body of
 CONTENT-TYPE for a session: it starts with one of
 HUNCHENTOOT:*CONTENT-TYPES-FOR-URL-REWRITE*, case counting."
-  (let ((prefixes hunchentoot:*content-types-for-url-rewrite*)
-        (last *url-rewrite-content-type*))
-    (if (and (eq content-type (first last)) (eq prefixes (second last)))
-        (third last)
-        (let* ((text (or content-type ""))
-               (answer (and (some (lambda (prefix)
-                                    (and (<= (length prefix) (length text))
-                                         (string= prefix text :end2 (length prefix))))
-                                  prefixes)
-                            t)))
-          (setf *url-rewrite-content-type* (list content-type prefixes answer))
-          answer))))
+  (let ((prefixes hunchentoot:*content-types-for-url-rewrite*))
+    (remembering-last-answer (*url-rewrite-content-type* content-type prefixes)
+      (let ((text (or content-type "")))
+        (and (some (lambda (prefix)
+                     (and (<= (length prefix) (length text))
+                          (string= prefix text :end2 (length prefix))))
+                   prefixes)
+             t)))))
 
 (defun reply-body (content)
   "CONTENT, a string or octets, as the body SEND-REPLY-PIECES sends: octets,
