@@ -10,7 +10,10 @@
 ;;;; session counter (ours only: its ratio is to ours' plain handler), and a
 ;;;; 1 ms handler kept alive.  The threaded floor (bench/threaded-
 ;;;; floor.lisp, pinned as the others) says what threads that each take one
-;;;; connection per epoll_wait can do, at 0 ms and at 1 ms.
+;;;; connection per epoll_wait can do, at 0 ms and at 1 ms.  Ours'
+;;;; fraction of another server is the median of each round's fraction, its
+;;;; two servers measured seconds apart: the machine's speed drifts more
+;;;; between rounds (bench/profiles/2026-11-29-costs-per-request.txt).
 ;;;; `bench/run per-core` measures it alone; `make bench` ends with it.
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
@@ -83,8 +86,8 @@ to *PER-CORE-CLIENT-PROCESSORS*, with SCRIPT when given."
 
 (defun measure-per-core-cell (server cell &key seconds core directory)
   "Start SERVER pinned to *PER-CORE-SERVER-PROCESSORS*, warm it 2 s,
-measure CELL for SECONDS, stop it.  wrk's figures, and :SERVER-US the
-server's user and system time a request, :BYTES-CONSED-PER-REQUEST for a
+measure CELL for SECONDS, stop it.  wrk's figures, and :SERVER-USER-US and
+:SERVER-SYSTEM-US the server's user and system time a request, :BYTES-CONSED-PER-REQUEST for a
 Lisp server."
   (let* ((port (free-port))
          (process (let ((*server-processors* *per-core-server-processors*))
@@ -108,9 +111,10 @@ Lisp server."
                    (let* ((after (and lisp (lisp-counters port)))
                           (figures (parse-wrk output))
                           (requests (getf figures :requests)))
-                     (list* :server-us (and (plusp requests)
-                                            (/ (* 1000000 (+ (first processor-seconds) (second processor-seconds)))
-                                               requests))
+                     (list* :server-user-us (and (plusp requests)
+                                                 (/ (* 1000000 (first processor-seconds)) requests))
+                            :server-system-us (and (plusp requests)
+                                                   (/ (* 1000000 (second processor-seconds)) requests))
                             :peak-threads (and lisp peak-threads)
                             :bytes-consed-per-request (and before after (plusp requests)
                                                            (round (- (getf after :consed) (getf before :consed))
@@ -122,12 +126,32 @@ Lisp server."
   (+ (getf figures :non-2xx 0) (getf figures :connect-errors 0) (getf figures :read-errors 0)
      (getf figures :write-errors 0) (getf figures :timeout-errors 0)))
 
-(defun per-core-rate (cells cell-name server-name)
-  (let ((figures (gethash (list cell-name server-name) cells)))
-    (and figures (not (getf figures :failed)) (getf figures :requests-per-second))))
+(defun round-rate (figures)
+  (and (not (getf figures :failed)) (getf figures :requests-per-second)))
 
-(defun per-core-summary (cells servers rounds seconds)
-  "The markdown report of CELLS ((cell name, server name) -> median figures)."
+(defun paired-ratios (measured cell-name server-name &optional (other-cell-name cell-name))
+  "Ours' requests/s in CELL-NAME over SERVER-NAME's in OTHER-CELL-NAME,
+round by round, from MEASURED ((cell name, server name) -> each round's
+figures, in the same order): the machine's speed drifts from minute to
+minute, and a round's two servers ran seconds apart."
+  (loop for ours in (gethash (list cell-name "parallel") measured)
+        for other in (gethash (list other-cell-name server-name) measured)
+        for ratio = (ratio-to (round-rate ours) (round-rate other))
+        when ratio collect ratio))
+
+(defun median-ratio (ratios)
+  "The median of RATIOS (the lower middle one of an even count), or NIL."
+  (and ratios (nth (floor (1- (length ratios)) 2) (sort (copy-list ratios) #'<))))
+
+(defun ratios-text (ratios)
+  "RATIOS' median, and their range when there are several."
+  (format nil "~A~:[~; (~A-~A)~]" (ratio-text (median-ratio ratios)) (rest ratios)
+          (ratio-text (reduce #'min ratios)) (ratio-text (reduce #'max ratios))))
+
+(defun per-core-summary (cells measured servers rounds seconds)
+  "The markdown report of CELLS ((cell name, server name) -> median figures)
+and, round by round, ours' fractions of the others (PAIRED-RATIOS of
+MEASURED)."
   (with-output-to-string (out)
     (format out "Per core: each server pinned to processor ~A alone (nginx and Woo with one worker, ours with ~
                  its pool), wrk -t1 pinned to processor ~A; the median of ~D round~:P of ~D s a cell.  ~
@@ -143,30 +167,31 @@ Lisp server."
           (format out " ~A |"
                   (cond ((null figures) "-")
                         ((getf figures :failed) "failed")
-                        (t (format nil "~D (~,1F us~@[, ~D threads~])~:[~*~; ~D errors~]"
-                                   (round (getf figures :requests-per-second)) (getf figures :server-us)
+                        (t (format nil "~D (~,1F + ~,1F us~@[, ~D threads~])~:[~*~; ~D errors~]"
+                                   (round (getf figures :requests-per-second))
+                                   (getf figures :server-user-us) (getf figures :server-system-us)
                                    (getf figures :peak-threads)
                                    (plusp (per-core-errors figures)) (per-core-errors figures)))))))
       (terpri out))
-    (format out "~%Ours as a fraction of each other server, cell by cell:~%~%| cell | of | fraction | target |~%~
-                 |---|---|---:|---:|~%")
+    (format out "~%Ours as a fraction of each other server, cell by cell: the median of the rounds' ~
+                 fractions, each of two servers measured seconds apart (their range in brackets):~%~%~
+                 | cell | of | fraction | target |~%|---|---|---:|---:|~%")
     (dolist (cell *per-core-cells*)
       (dolist (server-name (rest (getf cell :servers)))
-        (let ((ratio (ratio-to (per-core-rate cells (getf cell :name) "parallel")
-                               (per-core-rate cells (getf cell :name) server-name)))
+        (let ((ratios (paired-ratios measured (getf cell :name) server-name))
               (target (third (find-if (lambda (target) (and (string= (first target) (getf cell :name))
                                                              (string= (second target) server-name)))
                                       *per-core-targets*))))
-          (when ratio
-            (format out "| ~A | ~A | ~A | ~:[-~;~:*~A~] |~%" (getf cell :name) server-name (ratio-text ratio)
-                    (and target (format nil "~A ~:[below~;ok~]" target (>= ratio target))))))))
-    (let ((session (ratio-to (per-core-rate cells "session c100" "parallel")
-                             (per-core-rate cells "0ms keep-alive c100" "parallel")))
+          (when ratios
+            (format out "| ~A | ~A | ~A | ~:[-~;~:*~A~] |~%" (getf cell :name) server-name (ratios-text ratios)
+                    (and target (format nil "~A ~:[below~;ok~]" target (>= (median-ratio ratios) target))))))))
+    (let ((session (paired-ratios measured "session c100" "parallel" "0ms keep-alive c100"))
           (consed (getf (gethash (list "0ms keep-alive c100" "parallel") cells) :bytes-consed-per-request))
           (objects (request-objects-bytes)))
       (when session
         (format out "~%Ours' session cell as a fraction of ours' 0 ms keep-alive c100: ~A (target ~A: ~:[below~;ok~]).~%"
-                (ratio-text session) *per-core-session-target* (>= session *per-core-session-target*)))
+                (ratios-text session) *per-core-session-target*
+                (>= (median-ratio session) *per-core-session-target*)))
       (when consed
         (format out "~%Bytes consed a kept-alive request by ours (0 ms, c100, the whole process): ~D, of which ~D ~
                      are Hunchentoot's request and reply objects: ~D beyond them.~%"
@@ -197,7 +222,7 @@ request of every cell with a 2xx."
                               (gethash (list (getf cell :name) (getf server :name)) measured))))))
       (uiop:delete-directory-tree work :validate t :if-does-not-exist :ignore))
     (maphash (lambda (key rounds) (setf (gethash key cells) (median-cell rounds))) measured)
-    (write-suite-report (per-core-summary cells servers rounds seconds) "per-core" directory)
+    (write-suite-report (per-core-summary cells measured servers rounds seconds) "per-core" directory)
     (loop for key being the hash-keys of cells using (hash-value figures)
           always (or (string/= (second key) "parallel")
                      (and (not (getf figures :failed)) (zerop (per-core-errors figures)))))))

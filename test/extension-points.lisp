@@ -191,6 +191,35 @@ checks or swaps that stream between requests sees them."))
       (is (eql 200 (http-get server "/test/yo")))
       (is (eql 1 *access-log-calls*) "removed, the method is not called"))))
 
+(defgeneric methods-list-probe (thing)
+  (:documentation "A generic function whose methods a test adds and removes."))
+
+(defclass methods-list-probe-class (standard-generic-function) ()
+  (:metaclass sb-mop:funcallable-standard-class)
+  (:documentation "A generic function class of a user's, whose methods are read through the generic reader."))
+
+(test methods-list.new-list-with-each-method-added-or-removed
+  ;; A worker keeps an answer while the list it read stays the same list.
+  (dolist (generic-function (list #'methods-list-probe
+                                  (make-instance 'methods-list-probe-class :lambda-list '(thing))))
+    (let ((before (hrt::generic-function-methods-list generic-function)))
+      (is (eq (sb-mop:generic-function-methods generic-function) before))
+      (let ((method (make-instance 'standard-method :qualifiers '() :lambda-list '(thing)
+                                                    :specializers (list (find-class 'integer))
+                                                    :function (lambda (arguments next-methods)
+                                                                (declare (ignore next-methods))
+                                                                (first arguments)))))
+        (add-method generic-function method)
+        (let ((added (hrt::generic-function-methods-list generic-function)))
+          (is (not (eq before added)))
+          (is (eq (sb-mop:generic-function-methods generic-function) added))
+          (is (member method added))
+          (remove-method generic-function method)
+          (let ((removed (hrt::generic-function-methods-list generic-function)))
+            (is (not (eq added removed)))
+            (is (not (member method removed)))
+            (is (eq (sb-mop:generic-function-methods generic-function) removed))))))))
+
 (ht:define-easy-handler (test-warn :uri "/test/warn") ()
   (warn "A warning from a handler, on purpose.")
   "warned")
