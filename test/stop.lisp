@@ -122,6 +122,25 @@ them to wait for and sees them go, without waiting out its deadline."
             (when (ht:started-p server)
               (abandon-acceptor server))))))))
 
+(test stop.connections-not-parked-once-either-flag-is-set
+  ;; Hunchentoot's own STOP sets the acceptor's flag and waits for requests
+  ;; in flight before it shuts the taskmaster down; ours sets both.  From
+  ;; either, a connection whose request ends is closed, not parked.
+  (with-server (server (make-server 'parallel-easy-acceptor))
+    (let* ((taskmaster (ht::acceptor-taskmaster server))
+           (set (hrt::engine-readiness-set (hrt::taskmaster-engine taskmaster))))
+      (is (not (hrt::stopping-p set)))
+      (unwind-protect
+           (progn (setf (hrt::acceptor-shutting-down-p server) t)
+                  (is (hrt::stopping-p set) "STOP has begun on the acceptor"))
+        (setf (hrt::acceptor-shutting-down-p server) nil))
+      (unwind-protect
+           (progn (setf (hrt::shutting-down-p taskmaster) t)
+                  (is (hrt::stopping-p set) "the taskmaster shuts down"))
+        (setf (hrt::shutting-down-p taskmaster) nil))
+      (is (not (hrt::stopping-p set)))
+      (is (eql 200 (http-get server "/test/yo")) "served after"))))
+
 (test stop.under-load-returns-within-the-stop-timeout
   (dotimes (round *stop-rounds*)
     (dolist (ssl-p '(nil t))

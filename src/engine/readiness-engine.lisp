@@ -42,6 +42,7 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
                               :write-timeout (hunchentoot:acceptor-write-timeout acceptor)
                               :read-timeout (hunchentoot:acceptor-read-timeout acceptor)
                               :server-name (acceptor-server-name acceptor)
+                              :stopping-test (engine-stopping-test engine)
                               :refusal-logger (lambda (connection status)
                                                 (log-refused-request acceptor (connection-addresses connection)
                                                                      status)))

@@ -9,7 +9,7 @@ connections close: pause accepting until the next sweep, as nginx turns its
 accept events off for a moment, and log it (quiet while stopping)."
   ;; Once accepting has stopped, a worker woken just before may find the
   ;; socket no longer listening (REFUSE-CONNECTIONS): nothing to report.
-  (unless (or (stopping-p engine) (readiness-set-accepting-stopped-p set))
+  (unless (or (stopping-p set) (readiness-set-accepting-stopped-p set))
     (call-with-spare-descriptor
      set (lambda ()
            (log-safely (engine-acceptor engine) :error "accept failed, accepting paused for a moment: ~A"
@@ -52,7 +52,7 @@ the socket stops listening."
   (loop while (< (get-internal-real-time) deadline)
         do (let ((connection (accept-new-connection engine set)))
              (if connection
-                 (park-or-end engine set connection #() 0)
+                 (park-or-end set connection #() 0)
                  (return)))))
 
 (defun start-connection-stream (engine connection)
@@ -67,7 +67,7 @@ readable or writable; NIL when the client has gone, the handshake failed or
 the pool is stopping."
   (let ((addresses (or (connection-addresses connection)
                        (ignore-errors (connection-addresses-of (connection-fd connection))))))
-    (when (and addresses (not (stopping-p engine)))
+    (when (and addresses (not (stopping-p (engine-readiness-set engine))))
       (setf (connection-addresses connection) addresses)
       (let* ((certificates (engine-certificates engine))
              (stream (if certificates

@@ -43,9 +43,20 @@ every worker."))
 (defun engine-acceptor (engine)
   (hunchentoot:taskmaster-acceptor (engine-taskmaster engine)))
 
-(defun stopping-p (engine)
-  (or (shutting-down-p (engine-taskmaster engine))
-      (acceptor-shutting-down-p (engine-acceptor engine))))
+(defun engine-stopping-test (engine)
+  "A function of no argument, true once HUNCHENTOOT:STOP has begun on
+ENGINE's acceptor or its taskmaster is shutting down, whichever is first."
+  (let* ((taskmaster (engine-taskmaster engine))
+         (acceptor (hunchentoot:taskmaster-acceptor taskmaster)))
+    (lambda ()
+      (or (shutting-down-p taskmaster)
+          (acceptor-shutting-down-p acceptor)))))
+
+(declaim (inline stopping-p))
+(defun stopping-p (set)
+  "True once the owner of SET has begun to stop: no connection is to be
+parked again."
+  (funcall (readiness-set-stopping-test set)))
 
 (defun milliseconds-until (deadline)
   (max 0 (ceiling (* 1000 (- deadline (get-internal-real-time))) internal-time-units-per-second)))

@@ -106,22 +106,22 @@ is: :WEBSOCKET, :HTTP2, :DEFERRED (its reply waits to be completed),
         ((connection-deferred connection) :deferred)
         ((connection-event-stream connection) :event-stream)))
 
-(defun end-turn (engine set connection buffer outcome detail)
+(defun end-turn (set connection buffer outcome detail)
   "Act on the OUTCOME of a turn on CONNECTION, with its DETAIL (see the
 outcomes above), the caller having held the connection in SET and let go
 of it in the pool; BUFFER is the worker's, whose first octets a parked
 connection keeps."
   (ecase outcome
-    (:park (park-or-end engine set connection buffer detail))
-    (:read-body (park-until-body-arrives engine set connection))
-    (:send-rest (park-until-writable engine set connection buffer detail))
+    (:park (park-or-end set connection buffer detail))
+    (:read-body (park-until-body-arrives set connection))
+    (:send-rest (park-until-writable set connection buffer detail))
     ((:websocket :event-stream :http2)
-     (if (stopping-p engine)
+     (if (stopping-p set)
          (close-connection set connection)
          (progn (keep-pending-bytes connection buffer (or detail 0) (readiness-set-memory-budget set))
                 (park-outbox-or-close set connection))))
-    (:defer (park-deferred-reply engine set connection buffer detail))
-    (:handshake (park-during-handshake engine set connection detail))
+    (:defer (park-deferred-reply set connection buffer detail))
+    (:handshake (park-during-handshake set connection detail))
     (:close (close-connection set connection))
     (:let-go (remove-connection set connection))
     (:refuse (if (eq detail :memory)
@@ -130,7 +130,7 @@ connection keeps."
 
 ;;; Deferred reply.
 
-(defun park-deferred-reply (engine set connection buffer end)
+(defun park-deferred-reply (set connection buffer end)
   "Park CONNECTION, held by the caller, its reply deferred, keeping the END
 octets of BUFFER, until its client sends or hangs up, or its deadline; taken back and
 parked for output when the reply was completed meanwhile (deferred-reply.lisp,
@@ -141,7 +141,7 @@ Who arms it)."
     ;; report is its client leaving or sending its next request.
     (setf (connection-awaiting connection) (if (deferred-reply-input-seen-p deferred) :none :input)
           (connection-timeout-status connection) nil)
-    (park-until engine set connection (deferred-reply-deadline deferred))
+    (park-until set connection (deferred-reply-deadline deferred))
     (memory-barrier)
     (when (and (completion-p (deferred-reply-outcome deferred))
                (take-parked-connection connection)

@@ -5,19 +5,19 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defun park-until (engine set connection deadline)
+(defun park-until (set connection deadline)
   "Park CONNECTION, which the caller holds, until bytes arrive or DEADLINE
 passes; close it instead when the pool is stopping or the descriptor cannot
 be armed."
-  (cond ((stopping-p engine) (close-connection set connection))
+  (cond ((stopping-p set) (close-connection set connection))
         ((park-connection set connection deadline)
          ;; HUNCHENTOOT:STOP sets its flag, then closes what is parked.
          (memory-barrier)
-         (when (and (stopping-p engine) (take-parked-connection connection))
+         (when (and (stopping-p set) (take-parked-connection connection))
            (close-connection set connection)))
         (t (close-connection set connection))))
 
-(defun park-or-end (engine set connection buffer end)
+(defun park-or-end (set connection buffer end)
   "Park CONNECTION with the END octets of BUFFER (the start of a head, or
 none) until more arrive; end it instead if its deadline has passed or the
 pool is stopping."
@@ -27,13 +27,13 @@ pool is stopping."
                        (+ head-started (readiness-set-header-timeout set))
                        (+ now (readiness-set-keep-alive-timeout set)))))
     (setf (connection-timeout-status connection) (and head-started 408))
-    (cond ((stopping-p engine) (close-connection set connection))
+    (cond ((stopping-p set) (close-connection set connection))
           ((<= deadline now) (end-parked-connection set connection))
           (t
            (keep-pending-bytes connection buffer end (readiness-set-memory-budget set))
-           (park-until engine set connection deadline)))))
+           (park-until set connection deadline)))))
 
-(defun park-until-writable (engine set connection buffer end)
+(defun park-until-writable (set connection buffer end)
   "Park CONNECTION, whose reply its socket did not take whole, until the
 socket has room, keeping the END octets of BUFFER (requests the client
 sent meanwhile); the client has the write timeout to take more, and again
@@ -42,22 +42,22 @@ each time it has taken some (CLIENT-TOOK-OCTETS-P)."
   (setf (connection-awaiting connection) :output
         (connection-timeout-status connection) nil)
   (note-unacknowledged-octets connection)
-  (park-until engine set connection (+ (get-internal-real-time) (readiness-set-write-timeout set))))
+  (park-until set connection (+ (get-internal-real-time) (readiness-set-write-timeout set))))
 
-(defun park-until-body-arrives (engine set connection)
+(defun park-until-body-arrives (set connection)
   "Park CONNECTION, held by the caller, until more of its ARRIVING-BODY
 comes; it is answered 408 if nothing does for the read timeout."
   (setf (connection-awaiting connection) :input
         (connection-timeout-status connection) nil)
-  (park-until engine set connection (+ (get-internal-real-time) (readiness-set-read-timeout set))))
+  (park-until set connection (+ (get-internal-real-time) (readiness-set-read-timeout set))))
 
-(defun park-during-handshake (engine set connection awaiting)
+(defun park-during-handshake (set connection awaiting)
   "Park CONNECTION, held by the caller, until its socket is ready for
 AWAITING (:INPUT or :OUTPUT), as its handshake wants, for no longer than
 the header timeout from the accept."
   (setf (connection-awaiting connection) awaiting
         (connection-timeout-status connection) nil)
-  (park-until engine set connection
+  (park-until set connection
               (+ (connection-head-started connection) (readiness-set-header-timeout set))))
 
 ;;; Waking.

@@ -76,6 +76,11 @@
   ;; Called with the connection and the status of every refusal, after its
   ;; reply is sent: the acceptor's access log.
   (refusal-logger (constantly nil) :type function :read-only t)
+  ;; Called with no argument: true once the set's owner has begun to stop,
+  ;; after which no connection is parked again (STOPPING-P, three times a
+  ;; request: a closure over what it reads, where asking through the engine
+  ;; took five generic calls).
+  (stopping-test (constantly nil) :type function :read-only t)
   ;; Connections in the table, held by workers or parked.
   (connection-count 0 :type fixnum)
   ;; Connections whose reply is left to send, parked or being sent.
@@ -107,11 +112,12 @@
 
 (defun make-readiness-set (listen-socket counters memory-budget
                            &key header-timeout keep-alive-timeout queue-timeout write-timeout read-timeout
-                             server-name refusal-logger)
+                             server-name refusal-logger stopping-test)
   "A readiness set watching LISTEN-SOCKET (made non-blocking: a worker woken
 for it may find the connection already taken), counting into COUNTERS,
 its connections' buffers taken from MEMORY-BUDGET.  The timeouts are in
-seconds; a WRITE-TIMEOUT or READ-TIMEOUT of NIL means a year."
+seconds; a WRITE-TIMEOUT or READ-TIMEOUT of NIL means a year.  STOPPING-TEST
+says when its owner stops (STOPPING-P)."
   (let* ((epoll-fd (make-epoll-set))
          (listen-fd (socket-file-descriptor listen-socket))
          (set (%make-readiness-set :epoll-fd epoll-fd :wakeup-fd (make-wakeup-fd)
@@ -128,7 +134,8 @@ seconds; a WRITE-TIMEOUT or READ-TIMEOUT of NIL means a year."
                                    :read-timeout (seconds->internal-units (or read-timeout 31536000))
                                    :retry-after-seconds (ceiling queue-timeout)
                                    :server-name server-name
-                                   :refusal-logger refusal-logger)))
+                                   :refusal-logger refusal-logger
+                                   :stopping-test stopping-test)))
     (setf (readiness-set-spare-fd set) (open-spare-fd))
     (set-non-blocking listen-socket)
     (epoll-watch epoll-fd (readiness-set-listen-fd set) +listen-token+ :trigger :one-shot)

@@ -16,21 +16,21 @@
   "True when no worker of ENGINE's pool waits for something to serve."
   (zerop (waiting-worker-count (engine-taskmaster engine))))
 
-(defun queue-for-worker (engine set connection)
+(defun queue-for-worker (set connection)
   "CONNECTION's request head has arrived: park it to wait for a worker until
 the queue timeout, unless it waits so already."
   (unless (eql (connection-timeout-status connection) 503)
     (setf (connection-timeout-status connection) 503
           (connection-deadline connection) (+ (get-internal-real-time) (readiness-set-queue-timeout set))))
-  (park-until engine set connection (connection-deadline connection)))
+  (park-until set connection (connection-deadline connection)))
 
-(defun wait-for-rest-of-head (engine set connection)
+(defun wait-for-rest-of-head (set connection)
   "Part of CONNECTION's request head, or none of it, has arrived: park it
 until the rest arrives or the header timeout passes."
   (let ((head-started (or (connection-head-started connection)
                           (setf (connection-head-started connection) (get-internal-real-time)))))
     (setf (connection-timeout-status connection) 408)
-    (park-until engine set connection (+ head-started (readiness-set-header-timeout set)))))
+    (park-until set connection (+ head-started (readiness-set-header-timeout set)))))
 
 (defun look-at-arrived-head (engine set connection)
   "Look at what has arrived on the plain CONNECTION, held by the caller,
@@ -52,18 +52,18 @@ CONNECTION ready, so that the first worker free takes it."
           (:partial :incomplete)
           (t (scan-request-head buffer 0 end (acceptor-max-header-bytes (engine-acceptor engine)))))
       (case status
-        (:complete-http2 (queue-for-worker engine set connection))
+        (:complete-http2 (queue-for-worker set connection))
         (:complete
          (let ((refused-status (head-refused-status buffer request-start request-line-end head-end)))
            (if refused-status
                (refuse-and-close set connection refused-status)
-               (queue-for-worker engine set connection))))
+               (queue-for-worker set connection))))
         (:incomplete
          (cond ((member count '(0 :error))
                 ;; The client has gone, or will send no more: no head to answer.
                 (close-connection set connection))
-               ((zerop end) (park-until engine set connection (connection-deadline connection)))
-               (t (wait-for-rest-of-head engine set connection))))
+               ((zerop end) (park-until set connection (connection-deadline connection)))
+               (t (wait-for-rest-of-head set connection))))
         (t (refuse-and-close set connection status))))))
 
 (defun resume-reply-while-saturated (engine set connection)
@@ -71,7 +71,7 @@ CONNECTION ready, so that the first worker free takes it."
 waiting, as a worker would, then park it again for the rest, or look at
 what the client has sent since."
   (ecase (send-outgoing set connection)
-    (:would-block (park-until-writable engine set connection nil 0))
+    (:would-block (park-until-writable set connection nil 0))
     (:close (close-connection set connection))
     (:keep-alive
      (setf (connection-deadline connection) (+ (get-internal-real-time) (readiness-set-keep-alive-timeout set)))
@@ -92,11 +92,11 @@ anything counts as a request waiting for a worker."
              (connection-deferred connection))
          ;; Its body is read, its handshake taken, or its deferred reply
          ;; settled by a worker, under the deadline it was parked with.
-         (park-until engine set connection (connection-deadline connection)))
+         (park-until set connection (connection-deadline connection)))
         ((eql (connection-timeout-status connection) 503)
-         (park-until engine set connection (connection-deadline connection)))
+         (park-until set connection (connection-deadline connection)))
         ((plain-connection-p connection) (look-at-arrived-head engine set connection))
-        (t (queue-for-worker engine set connection))))
+        (t (queue-for-worker set connection))))
 
 (defconstant +accepts-per-report+ 64
   "The most connections taken, besides the first, at one report of the
@@ -111,7 +111,7 @@ socket, which is plain, and park them until their heads arrive."
         for connection = (when-accepting (set) (accept-new-connection engine set))
         while connection
         do (if (start-connection-stream engine connection)
-               (wait-for-rest-of-head engine set connection)
+               (wait-for-rest-of-head set connection)
                (close-connection set connection))))
 
 (defconstant +long-listen-wait-seconds+ 2/1000
@@ -177,7 +177,7 @@ note what it is, parking it again.  Ends when a worker is free, nothing is
 ready, or every connection could have been seen once: what is parked again
 while ready is reported again."
   (loop repeat (+ 2 (readiness-set-connection-count set))
-        while (and (no-worker-free-p engine) (not (stopping-p engine)))
+        while (and (no-worker-free-p engine) (not (stopping-p set)))
         do (let ((token (epoll-wait-one (readiness-set-epoll-fd set) 0)))
              (case token
                (:interrupted)

@@ -22,13 +22,13 @@ connection is parked, closed or let go afterwards (END-TURN)."
            (case socket
              ((:input :output)
               (when (let-go-of-connection worker)
-                (end-turn engine set connection nil :handshake socket)))
+                (end-turn set connection nil :handshake socket)))
              ((nil))
              (t (hunchentoot:process-connection (serving-acceptor serving) socket))))
       ;; Still held: PROCESS-CONNECTION was left by an error, or an :AROUND
       ;; method did not call the next method.
       (when (let-go-of-connection worker)
-        (end-turn engine set connection nil :close nil)))))
+        (end-turn set connection nil :close nil)))))
 
 (defmethod hunchentoot:process-connection ((acceptor parallel-acceptor) (socket connection-socket))
   "Serve the requests that have arrived on the connection SOCKET stands for,
@@ -53,5 +53,4 @@ Called each time a worker takes the connection up, not once for its life:
           (:http2 (unless (held-connection-kind connection)
                     (setf (values outcome detail) (answer-http2-frames serving connection detail)))))
         (when (let-go-of-connection (serving-worker serving))
-          (end-turn (serving-engine serving) (serving-set serving) connection (serving-buffer serving)
-                    outcome detail))))))
+          (end-turn (serving-set serving) connection (serving-buffer serving) outcome detail))))))

@@ -199,6 +199,7 @@ END octets having arrived in all, or begin reading its body."
                  (request-head-refused (condition)
                    (return-from answer-head (values :refuse (refused-status condition))))))
          (headers (request-head-headers head))
+         (max-body-bytes (acceptor-max-body-bytes acceptor))
          (framing nil)
          (framing-refusal nil))
     (cond ((memory-budget-exceeded-p (serving-budget serving))
@@ -208,14 +209,14 @@ END octets having arrived in all, or begin reading its body."
                 (not (hunchentoot:acceptor-input-chunking-p acceptor)))
            ;; This acceptor takes no chunked body: RFC 9112 6.3 says 411.
            (values :refuse 411))
-          ((body-over-limit-p headers (acceptor-max-body-bytes acceptor))
+          ((body-over-limit-p headers max-body-bytes)
            ;; Refused before a 100 Continue, so the client need not send it.
            (values :refuse 413))
           ((body-still-arriving-p headers head-end end)
            (start-reading-body serving connection head (parse-integer (cdr (assoc :content-length headers)))
                                nil head-end end))
           ((progn (setf (values framing framing-refusal)
-                        (arriving-chunk-framing headers buffer head-end end (acceptor-max-body-bytes acceptor)))
+                        (arriving-chunk-framing headers buffer head-end end max-body-bytes))
                   framing-refusal)
            ;; Refused before dispatch: a client's mistake costs no handler
            ;; and no backtrace.
