@@ -102,9 +102,13 @@ they name counts on untouched."
 (test sessions.cookie-value-parsed-as-hunchentoot-makes-it
   (dolist (id (list 1 123456789012345678 1234567890123456789 (1- (expt 2 128)) (expt 10 39)))
     (let ((cookie (format nil "~D:0123456789abcdefABCDEF0123456789" id)))
-      (is (equal (list id "0123456789abcdefABCDEF0123456789")
-                 (multiple-value-list (hrt::parse-session-identifier cookie)))
-          "~A" cookie)))
+      ;; Each kind of string a cookie may come as.
+      (dolist (string (list cookie (coerce cookie 'simple-base-string)
+                            (make-array (length cookie) :element-type 'character :fill-pointer t
+                                                        :initial-contents cookie)))
+        (is (equal (list id "0123456789abcdefABCDEF0123456789")
+                   (multiple-value-list (hrt::parse-session-identifier string)))
+            "~A (~S)" string (type-of string)))))
   (dolist (forged (list "12:" ":ab" "1:2:3" "1:xyz" "1 :ab" (format nil "~D:ab" (expt 10 40)) "١:ab"))
     (is (null (hrt::parse-session-identifier forged)) "~S" forged)))
 
