@@ -46,8 +46,8 @@ every worker."))
 (defun engine-stopping-test (engine)
   "A function of no argument, true once HUNCHENTOOT:STOP has begun on
 ENGINE's acceptor or its taskmaster is shutting down, whichever is first."
-  (let* ((taskmaster (engine-taskmaster engine))
-         (acceptor (hunchentoot:taskmaster-acceptor taskmaster)))
+  (let ((taskmaster (engine-taskmaster engine))
+        (acceptor (engine-acceptor engine)))
     (lambda ()
       (or (shutting-down-p taskmaster)
           (acceptor-shutting-down-p acceptor)))))
