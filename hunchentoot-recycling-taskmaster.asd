@@ -18,6 +18,7 @@ bytes, with acceptors that use it by default."
                                                 (:file "sbcl-threads")
                                                 (:file "sbcl-epoll")
                                                 (:file "sbcl-sockets")
+                                                (:file "sbcl-fd-streams")
                                                 (:file "sbcl-files")
                                                 (:file "sbcl-clock")
                                                 (:file "processors")

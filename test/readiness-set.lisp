@@ -405,6 +405,77 @@ text the body should be: the client's address and port, then the server's."
       (is (eql 200 status))
       (is (equal expected body) "listening on ~A" address))))
 
+(test addresses.ipv4-in-dotted-quads
+  ;; As inet_ntop(3) writes them: decimal octets, no leading zeros.
+  (let ((random-state (sb-ext:seed-random-state 42)))
+    (dolist (octets (list* '(0 0 0 0) '(255 255 255 255) '(127 0 0 1) '(10 9 100 99) '(1 20 200 5)
+                           (loop repeat 500 collect (loop repeat 4 collect (random 256 random-state)))))
+      (is (equal (format nil "~{~D~^.~}" octets) (apply #'hrt::dotted-quad octets))))))
+
+;;; A connection's fd-stream.
+
+(defun call-with-accepted-fd (function)
+  "Call FUNCTION with the descriptor of a connection accepted on 127.0.0.1
+and the client's usocket; both closed after."
+  (let* ((listener (hrt::listen-on #(127 0 0 1) 0 4))
+         (client (usocket:socket-connect "127.0.0.1" (usocket:get-local-port listener)
+                                         :element-type '(unsigned-byte 8)))
+         (fd (loop repeat 400
+                   thereis (hrt::accept-connection-fd (hrt::socket-file-descriptor listener))
+                   do (sleep 0.005))))
+    (unwind-protect (funcall function fd client)
+      (when fd (sb-unix:unix-close fd))
+      (usocket:socket-close client)
+      (usocket:socket-close listener))))
+
+(defun forget-fd-stream (stream)
+  "Give STREAM's buffers back without closing its descriptor, which the
+caller closes."
+  (setf (sb-impl::fd-stream-fd stream) -1)
+  (close stream :abort t))
+
+(test connection-fd-stream.copied-as-make-fd-stream-makes-it
+  ;; Each slot of a copied stream holds what MAKE-FD-STREAM's stream on the
+  ;; same descriptor holds, but its buffers and its unread characters,
+  ;; which are its own; the copy reads and writes its connection.
+  (call-with-accepted-fd
+   (lambda (fd client)
+     (is (integerp fd))
+     (dolist (timeout '(7 nil 0.5))
+       (let* ((made (hrt::make-fd-stream-for-connection fd timeout))
+              (copies (list (hrt::make-connection-fd-stream fd timeout)
+                            (hrt::make-connection-fd-stream fd timeout))))
+         (dolist (copy copies)
+           (dolist (slot (sb-kernel:dd-slots (sb-kernel:find-defstruct-description 'sb-impl::fd-stream)))
+             (let* ((name (sb-kernel:dsd-name slot))
+                    (ours (funcall (sb-kernel:dsd-accessor-name slot) copy))
+                    (theirs (funcall (sb-kernel:dsd-accessor-name slot) made)))
+               (case name
+                 ((sb-impl::ibuf sb-impl::obuf)
+                  (is (and (sb-impl::buffer-p ours) (not (eq ours theirs))
+                           (= 0 (sb-impl::buffer-head ours) (sb-impl::buffer-tail ours))
+                           (= (sb-impl::buffer-length ours) (sb-impl::buffer-length theirs)))
+                      "~A: a buffer of its own" name))
+                 (sb-impl::instead
+                  (is (and (not (eq ours theirs)) (zerop (length ours)) (adjustable-array-p ours))
+                      "unread characters: an array of its own"))
+                 (t (is (equalp ours theirs) "~A, timeout ~A: ~S copied, ~S made" name timeout ours theirs))))))
+         (is (not (eq (sb-impl::fd-stream-ibuf (first copies)) (sb-impl::fd-stream-ibuf (second copies)))))
+         (is (not (eq (sb-impl::fd-stream-obuf (first copies)) (sb-impl::fd-stream-obuf (second copies)))))
+         (let ((copy (first copies))
+               (client-stream (usocket:socket-stream client)))
+           (write-sequence #(1 2 3) copy)
+           (finish-output copy)
+           (let ((octets (make-array 3 :element-type '(unsigned-byte 8))))
+             (read-sequence octets client-stream)
+             (is (equalp #(1 2 3) octets)))
+           (write-sequence #(4 5) client-stream)
+           (finish-output client-stream)
+           (let ((octets (make-array 2 :element-type '(unsigned-byte 8))))
+             (read-sequence octets copy)
+             (is (equalp #(4 5) octets))))
+         (mapc #'forget-fd-stream (cons made copies)))))))
+
 (test limits.refusals-carry-date-and-server-headers
   (with-readiness-server (server)
     (with-connection (socket server)

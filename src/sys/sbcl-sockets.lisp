@@ -1,17 +1,14 @@
 ;;;; Sockets through SBCL's internals (sb-alien, sb-bsd-sockets, sb-unix,
 ;;;; sb-sys): listening, accept4(2), recv(2) and send(2) without waiting,
-;;;; shutdown(2), the addresses of a connection, and the fd-stream it is
-;;;; read and written through.  With sbcl-epoll.lisp and sbcl-files.lisp,
-;;;; every foreign call the library makes; Linux's numbers are linux.lisp's.
+;;;; shutdown(2) and the addresses of a connection (the fd-stream it is
+;;;; read and written through: sbcl-fd-streams.lisp).  With sbcl-epoll.lisp
+;;;; and sbcl-files.lisp, every foreign call the library makes; Linux's
+;;;; numbers are linux.lisp's.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
 (defun socket-file-descriptor (usocket)
   (sb-bsd-sockets:socket-file-descriptor (usocket:socket usocket)))
-
-(defun fd-stream-descriptor (stream)
-  "The descriptor of STREAM, an SBCL fd-stream (a socket's, say)."
-  (sb-sys:fd-stream-fd stream))
 
 ;;; Listening sockets.
 
@@ -163,6 +160,35 @@ acknowledged yet (ioctl SIOCOUTQ), or NIL when they cannot be told."
                                                     sb-alien:unsigned-long sb-alien:int))
             fd (sb-alien:alien-sap (sb-alien:addr octet)) 1 (logior +msg-peek+ +msg-dontwait+)))))
 
+(defun dotted-quad (a b c d)
+  "The IPv4 address of the octets A, B, C and D in dotted quads, as
+inet_ntop(3) writes it."
+  ;; glibc's inet_ntop formats it with sprintf: 1% of the user time of a
+  ;; connection that carries one request.
+  (declare (type (unsigned-byte 8) a b c d))
+  (flet ((digit-count (octet) (cond ((< octet 10) 1) ((< octet 100) 2) (t 3))))
+    (let ((string (make-string (+ 3 (digit-count a) (digit-count b) (digit-count c) (digit-count d))))
+          (position 0))
+      (declare (type fixnum position))
+      (labels ((put-digit (digit)
+                 (declare (type (integer 0 9) digit))
+                 (setf (char string position) (code-char (+ 48 digit)))
+                 (incf position))
+               (put (octet)
+                 (declare (type (unsigned-byte 8) octet))
+                 (when (>= octet 100) (put-digit (floor octet 100)))
+                 (when (>= octet 10) (put-digit (mod (floor octet 10) 10)))
+                 (put-digit (mod octet 10))))
+        (put a)
+        (flet ((put-after-dot (octet)
+                 (setf (char string position) #\.)
+                 (incf position)
+                 (put octet)))
+          (put-after-dot b)
+          (put-after-dot c)
+          (put-after-dot d)))
+      string)))
+
 (defun sockaddr-address (sap)
   "The address, as text, and the port of the sockaddr at SAP: IPv4 in
 dotted quads, IPv6 in inet_ntop(3)'s RFC 5952 form (::1); NIL for another
@@ -171,23 +197,26 @@ family."
   ;; port (network order); the address at 4 (IPv4) or 8 (IPv6).
   (let ((family (sb-sys:sap-ref-16 sap 0))
         (port (+ (* 256 (sb-sys:sap-ref-8 sap 2)) (sb-sys:sap-ref-8 sap 3))))
-    (when (member family (list +af-inet+ +af-inet6+))
-      (sb-alien:with-alien ((text (array sb-alien:char #.+inet6-addrstrlen+)))
-        (when (sb-alien:null-alien
-               (sb-alien:alien-funcall
-                (sb-alien:extern-alien "inet_ntop" (function (* sb-alien:char) sb-alien:int
-                                                             sb-sys:system-area-pointer
-                                                             (* sb-alien:char) sb-alien:unsigned))
-                family (sb-sys:sap+ sap (if (= family +af-inet+) 4 8))
-                (sb-alien:cast text (* sb-alien:char)) +inet6-addrstrlen+))
-          (foreign-error "inet_ntop"))
-        (let* ((text-sap (sb-alien:alien-sap text))
-               (string (make-string (loop for index from 0
-                                          until (zerop (sb-sys:sap-ref-8 text-sap index))
-                                          finally (return index)))))
-          (dotimes (index (length string))
-            (setf (char string index) (code-char (sb-sys:sap-ref-8 text-sap index))))
-          (values string port))))))
+    (cond ((= family +af-inet+)
+           (values (dotted-quad (sb-sys:sap-ref-8 sap 4) (sb-sys:sap-ref-8 sap 5)
+                                (sb-sys:sap-ref-8 sap 6) (sb-sys:sap-ref-8 sap 7))
+                   port))
+          ((= family +af-inet6+)
+           (sb-alien:with-alien ((text (array sb-alien:char #.+inet6-addrstrlen+)))
+             (when (sb-alien:null-alien
+                    (sb-alien:alien-funcall
+                     (sb-alien:extern-alien "inet_ntop" (function (* sb-alien:char) sb-alien:int
+                                                                  sb-sys:system-area-pointer
+                                                                  (* sb-alien:char) sb-alien:unsigned))
+                     family (sb-sys:sap+ sap 8) (sb-alien:cast text (* sb-alien:char)) +inet6-addrstrlen+))
+               (foreign-error "inet_ntop"))
+             (let* ((text-sap (sb-alien:alien-sap text))
+                    (string (make-string (loop for index from 0
+                                               until (zerop (sb-sys:sap-ref-8 text-sap index))
+                                               finally (return index)))))
+               (dotimes (index (length string))
+                 (setf (char string index) (code-char (sb-sys:sap-ref-8 text-sap index))))
+               (values string port)))))))
 
 (defun accept-connection-fd (listen-fd)
   "accept4(2) on the non-blocking LISTEN-FD: the new connection's
@@ -247,18 +276,6 @@ for every address of the host."
   "The peer's address and port, then ours, of the connection FD, as
 Hunchentoot's request holds them."
   (multiple-value-call #'list (socket-address fd :peer) (socket-address fd :local)))
-
-(defun make-connection-fd-stream (fd timeout)
-  "A binary bidirectional stream on the connection FD whose reads and writes
-give up after TIMEOUT seconds (NIL: never), as Hunchentoot sets them.  No
-finalizer: the readiness set closes every connection itself."
-  (sb-sys:make-fd-stream fd :input t :output t :element-type '(unsigned-byte 8)
-                            :buffering :full :timeout timeout :auto-close nil
-                            :name "hunchentoot-recycling-taskmaster connection"))
-
-(defun fd-stream-class ()
-  "The class of the streams MAKE-CONNECTION-FD-STREAM makes."
-  (find-class 'sb-sys:fd-stream))
 
 (defun shut-down-fd-output (fd)
   "Send FIN on the connection FD while its input stays readable."

@@ -87,6 +87,7 @@ with an error reply instead of reaching a handler."))
 (defun refuse-head (status)
   (error 'request-head-refused :status status))
 
+(declaim (inline token-octet-p field-octet-p))
 (defun token-octet-p (octet)
   "RFC 9110 tchar: the octets of a method or a header name."
   (declare (type (unsigned-byte 8) octet))
@@ -167,8 +168,9 @@ and a keyword exists for every name that code mentions."
 (defun trim-field (buffer start end)
   "START and END of the field from START below END without surrounding spaces and tabs."
   (declare (type octets buffer) (type fixnum start end))
-  (loop while (and (< start end) (member (aref buffer start) '(9 32))) do (incf start))
-  (loop while (and (< start end) (member (aref buffer (1- end)) '(9 32))) do (decf end))
+  (flet ((blank-p (octet) (or (= octet 9) (= octet 32))))
+    (loop while (and (< start end) (blank-p (aref buffer start))) do (incf start))
+    (loop while (and (< start end) (blank-p (aref buffer (1- end)))) do (decf end)))
   (values start end))
 
 (defun parse-protocol (buffer start end)
@@ -204,7 +206,7 @@ HTTP version with 505."
   (declare (type octets buffer) (type fixnum start end))
   (let ((method-end (or (octet-position 32 buffer start end) end)))
     (when (or (= method-end start) (= method-end end)
-              (not (loop for index from start below method-end
+              (not (loop for index of-type fixnum from start below method-end
                          always (token-octet-p (aref buffer index)))))
       (refuse-head 400))
     (when (> (- method-end start) +max-method-octets+)
@@ -213,7 +215,7 @@ HTTP version with 505."
            (uri-end (or (octet-position 32 buffer uri-start end) end))
            (protocol-start (1+ uri-end)))
       (when (or (= uri-start uri-end) (>= uri-end end)
-                (not (loop for index from uri-start below uri-end
+                (not (loop for index of-type fixnum from uri-start below uri-end
                            always (<= 33 (aref buffer index) 126))))
         (refuse-head 400))
       ;; RFC 9110 9.1: a method is case-sensitive, so "get" is not GET.
@@ -245,17 +247,17 @@ a folded line, or a control character in a value.  A Host value spelled as
 PREVIOUS-HOST is PREVIOUS-HOST itself."
   (declare (type octets buffer) (type fixnum start end))
   (loop with headers = '()
-        for line-start = start then (1+ lf-position)
+        for line-start of-type fixnum = start then (1+ lf-position)
         for lf-position = (octet-position +lf+ buffer line-start end)
         while lf-position
         do (let* ((line-end (line-end-before-lf buffer line-start lf-position))
                   (colon (octet-position 58 buffer line-start line-end)))
              (when (or (null colon) (= colon line-start)
-                       (not (loop for index from line-start below colon
+                       (not (loop for index of-type fixnum from line-start below colon
                                   always (token-octet-p (aref buffer index)))))
                (refuse-head 400))
              (multiple-value-bind (value-start value-end) (trim-field buffer (1+ colon) line-end)
-               (unless (loop for index from value-start below value-end
+               (unless (loop for index of-type fixnum from value-start below value-end
                              always (field-octet-p (aref buffer index)))
                  (refuse-head 400))
                (let ((name (head-symbol buffer line-start colon scratch)))

@@ -15,7 +15,11 @@ connection is parked, closed or let go afterwards (END-TURN)."
         (set (serving-set serving))
         (worker (serving-worker serving)))
     (hold-connection worker connection)
-    (unless (plain-connection-p connection)
+    ;; A new connection has no stream yet: its handshake is to come when
+    ;; the acceptor speaks TLS.
+    (when (if (connection-stream connection)
+              (not (plain-connection-p connection))
+              (hunchentoot:acceptor-ssl-p (serving-acceptor serving)))
       (forget-tls-errors))
     (unwind-protect
          (let ((socket (start-connection-socket engine connection)))
