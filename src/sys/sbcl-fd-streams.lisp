@@ -8,10 +8,10 @@
 ;;;; same but for its descriptor, its timeout, its buffers and its array of
 ;;;; unread characters, so the first is made by MAKE-FD-STREAM and each
 ;;;; after copies an unused copy of it with those of its own -- the rest are
-;;;; its routines, its type and constants.  The test connection-fd-stream.copied-as-make-fd-stream-
-;;;; makes-it compares every slot of a copy with MAKE-FD-STREAM's stream on
-;;;; the same descriptor, so that an SBCL whose fd-stream gains a slot of
-;;;; per-stream state fails it.
+;;;; its routines, its type and constants.  The test
+;;;; connection-fd-stream.copied-as-make-fd-stream-makes-it compares every
+;;;; slot of a copy with MAKE-FD-STREAM's stream on the same descriptor, so
+;;;; that an SBCL whose fd-stream gains a slot of per-stream state fails it.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
