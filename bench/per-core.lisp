@@ -127,6 +127,7 @@ Lisp server."
      (getf figures :write-errors 0) (getf figures :timeout-errors 0)))
 
 (defun round-rate (figures)
+  "The requests/s of one round's FIGURES, or NIL when that round failed."
   (and (not (getf figures :failed)) (getf figures :requests-per-second)))
 
 (defun paired-ratios (measured cell-name server-name &optional (other-cell-name cell-name))
