@@ -187,10 +187,50 @@ characters are base characters, and as a string with a fill pointer."
                          (truths (multiple-value-list (hrt::keep-alive-reply-p request))))
                   "~S ~S persistent ~S" protocol value persistent))))))))
 
-(test replies.header-names-as-chunga-writes-them
-  (dolist (name '(:content-length :content-type :date :server :connection :keep-alive :set-cookie :x-made-up))
-    (is (string= (chunga:as-capitalized-string name) (hunchentoot-recycling-taskmaster::header-name-text name))
-        "~S" name)))
+(defun header-line-text (name value &optional value-octets)
+  "The header line PUSH-HEADER-LINE writes, as a string."
+  (let ((head (hrt::make-reply-head)))
+    (hrt::push-header-line name value head value-octets)
+    (map 'string #'code-char (subseq (hrt::reply-head-octets head) 0 (hrt::reply-head-end head)))))
+
+(test replies.header-lines-as-hunchentoot-writes-them
+  (flet ((crlf-line (format &rest arguments)
+           (format nil "~?~C~C" format arguments #\Return #\Linefeed)))
+    (dolist (name '(:content-length :content-type :date :server :connection :keep-alive :set-cookie :x-made-up))
+      (is (string= (crlf-line "~A: v" (chunga:as-capitalized-string name)) (header-line-text name "v"))
+          "~S" name))
+    (is (string= (crlf-line "Set-Cookie: a=b") (header-line-text "Set-Cookie" "a=b")))
+    (is (string= (crlf-line "Content-Length: 1024") (header-line-text :content-length 1024)))
+    (is (string= (crlf-line "X-Latin: ~C?" (code-char 233)) (header-line-text :x-latin (coerce '(#\LATIN_SMALL_LETTER_E_WITH_ACUTE #\EURO_SIGN) 'string))))))
+
+(defun made-value-and-octets (make octets-of)
+  "A header value MAKE made and OCTETS-OF's octets for it, made again
+should the second turn, or another thread's value replace it, in between."
+  (loop repeat 100
+        do (let* ((value (funcall make))
+                  (octets (funcall octets-of value)))
+             (when octets
+               (return (values value octets))))))
+
+(test replies.made-header-values-written-from-their-octets
+  (let ((external-format (flex:make-external-format :utf-8 :eol-style :lf))
+        (unsafe (format nil "a~Cb" #\Return)))
+    (dolist (made (list (multiple-value-list
+                         (made-value-and-octets #'hrt::date-header-value #'hrt::date-header-octets))
+                        (multiple-value-list
+                         (made-value-and-octets (lambda ()
+                                                  (hrt::content-type-with-charset
+                                                   (format nil "text/x-~D" (random 1000000)) external-format))
+                                                #'hrt::charset-added-content-type-octets))))
+      (destructuring-bind (&optional value octets) made
+        (is (stringp value) "no octets made")
+        (when value
+          (is (string= (header-line-text :x value) (header-line-text :x value octets)) "~S" value)
+          ;; An equal string the engine did not make is written from its characters.
+          (is (null (hrt::date-header-octets (copy-seq value))))
+          (is (null (hrt::charset-added-content-type-octets (copy-seq value)))))))
+    (is (null (hrt::header-text-octets unsafe)))
+    (is (hrt::push-header-line :x unsafe (hrt::make-reply-head)) "a value with a CR not told")))
 
 (test replies.handler-error-page-is-the-same
   (let ((ht:*show-lisp-errors-p* nil))

@@ -41,9 +41,11 @@
     (incf (reply-head-end head))))
 
 (defun push-octets (octets head)
-  (declare (type octets octets) (type reply-head head))
-  (replace (room-for (length octets) head) octets :start1 (reply-head-end head))
-  (incf (reply-head-end head) (length octets)))
+  (declare (type octets octets) (type reply-head head) (optimize speed))
+  (let ((end (reply-head-end head))
+        (count (length octets)))
+    (replace (room-for count head) octets :start1 end)
+    (setf (reply-head-end head) (+ end count))))
 
 (declaim (inline unsafe-header-char-p))
 (defun unsafe-header-char-p (char)
@@ -81,35 +83,55 @@ a CR, LF or NUL (UNSAFE-HEADER-CHAR-P), found as it is copied."
         (push-decimal rest head)
         (push-octet (+ 48 digit) head))))
 
+(declaim (inline push-crlf))
 (defun push-crlf (head)
-  (push-octet +cr+ head)
-  (push-octet +lf+ head))
+  (let ((octets (room-for 2 head))
+        (end (reply-head-end head)))
+    (setf (aref octets end) +cr+
+          (aref octets (1+ end)) +lf+
+          (reply-head-end head) (+ end 2))))
 
-(defun header-name-text (name)
-  "The reply header NAME, a keyword, as Hunchentoot writes it
-(CHUNGA:AS-CAPITALIZED-STRING), the names of the headers every reply has
-without its hash table lookups (1 to 3% of a 0 ms request)."
-  (case name
-    (:content-length "Content-Length")
-    (:content-type "Content-Type")
-    (:date "Date")
-    (:server "Server")
-    (:connection "Connection")
-    (:keep-alive "Keep-Alive")
-    (t (chunga:as-capitalized-string name))))
+(defun header-line-start (name)
+  "The octets of NAME, a keyword, as Hunchentoot writes a reply header's
+name (CHUNGA:AS-CAPITALIZED-STRING), and the colon and space after it."
+  (map 'octets #'char-code (format nil "~A: " (chunga:as-capitalized-string name))))
 
-(defun push-header-line (name value head)
-  "Push the header line NAME: VALUE, VALUE as Hunchentoot writes it: a
-number in decimal, anything but a string as PRINC writes it.  True when
-VALUE has a CR, LF or NUL, and the line is then not one to send
-(REFUSE-UNSAFE-HEADER-VALUES)."
-  (push-text name head)
-  (push-octet #.(char-code #\:) head)
-  (push-octet #.(char-code #\Space) head)
-  (prog1 (if (typep value '(integer 0))
-             (progn (push-decimal value head) nil)
-             (push-text (header-text value) head))
+(defmacro header-line-starts-case (name &rest names)
+  `(case ,name
+     ,@(loop for known in names
+             collect `(,known (load-time-value (header-line-start ,known) t)))
+     (t nil)))
+
+(defun push-header-name (name head)
+  "Push the header name NAME, a keyword (see HEADER-LINE-START) or a string,
+then a colon and a space.  The names every reply has are copied from octets
+made once, not spelled (Chunga looks them up in a hash table) and copied
+character by character at each reply."
+  (let ((start (header-line-starts-case name :content-length :content-type :date :server :connection :keep-alive)))
+    (if start
+        (push-octets start head)
+        (progn (push-text (if (stringp name) name (chunga:as-capitalized-string name)) head)
+               (push-octet #.(char-code #\:) head)
+               (push-octet #.(char-code #\Space) head)))))
+
+(defun push-header-line (name value head &optional value-octets)
+  "Push the header line NAME: VALUE (NAME as PUSH-HEADER-NAME takes it),
+VALUE as Hunchentoot writes it: a number in decimal, anything but a string
+as PRINC writes it; VALUE-OCTETS, when given, are VALUE's as
+HEADER-TEXT-OCTETS made them.  True when VALUE has a CR, LF or NUL, and the
+line is then not one to send (REFUSE-UNSAFE-HEADER-VALUES)."
+  (push-header-name name head)
+  (prog1 (cond (value-octets (push-octets value-octets head) nil)
+               ((typep value '(integer 0)) (push-decimal value head) nil)
+               (t (push-text (header-text value) head)))
     (push-crlf head)))
+
+(defun header-text-octets (text)
+  "The octets PUSH-TEXT writes TEXT as, a fresh vector; NIL when TEXT has a
+CR, LF or NUL."
+  (let ((head (make-reply-head)))
+    (unless (push-text text head)
+      (subseq (reply-head-octets head) 0 (reply-head-end head)))))
 
 ;;; Header values that would end their line early.
 
@@ -168,16 +190,24 @@ no header's value."
 
 ;;; What START-OUTPUT would compute anew for every reply.
 
-(defvar *date-header* (cons 0 "")
-  "The universal time of the last Date header made, and its value: one
-formatted per second, not per reply.")
+(defvar *date-header* (list 0 "" (header-text-octets ""))
+  "The universal time of the last Date header made, its value and the
+value's octets: one formatted per second, not per reply.")
 
 (defun date-header-value ()
   (let ((cache *date-header*)
         (now (get-universal-time)))
-    (if (= (car cache) now)
-        (cdr cache)
-        (cdr (setf *date-header* (cons now (hunchentoot:rfc-1123-date now)))))))
+    (if (= (first cache) now)
+        (second cache)
+        (let ((value (hunchentoot:rfc-1123-date now)))
+          (setf *date-header* (list now value (header-text-octets value)))
+          value))))
+
+(defun date-header-octets (value)
+  "The octets of VALUE when it is the Date header value DATE-HEADER-VALUE
+returns now; else NIL."
+  (let ((cache *date-header*))
+    (and (eq value (second cache)) (third cache))))
 
 (defun charset-parameter-p (content-type)
   "True when CONTENT-TYPE has a charset parameter: a ; then optional
@@ -215,6 +245,9 @@ with its own keys."
   "The last content type and external format the charset was added for, and
 the result: handlers set the same literal content type again and again.")
 
+(defvar *charset-added-content-type* (cons "" (header-text-octets ""))
+  "The last content type CONTENT-TYPE-WITH-CHARSET made, and its octets.")
+
 (defun content-type-with-charset (content-type external-format)
   "CONTENT-TYPE with the charset of EXTERNAL-FORMAT added if it is a text
 type without one, as Hunchentoot adds it to a string body's type."
@@ -222,5 +255,13 @@ type without one, as Hunchentoot adds it to a string body's type."
     (if (and (<= 4 (length content-type))
              (string-equal "text" content-type :end2 4)
              (not (charset-parameter-p content-type)))
-        (format nil "~A; charset=~(~A~)" content-type (flex:external-format-name external-format))
+        (let ((made (format nil "~A; charset=~(~A~)" content-type (flex:external-format-name external-format))))
+          (setf *charset-added-content-type* (cons made (header-text-octets made)))
+          made)
         content-type)))
+
+(defun charset-added-content-type-octets (value)
+  "The octets of VALUE when it is the content type CONTENT-TYPE-WITH-CHARSET
+made last; else NIL."
+  (let ((made *charset-added-content-type*))
+    (and (eq value (car made)) (cdr made))))

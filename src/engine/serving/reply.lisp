@@ -105,13 +105,25 @@ True when a value written has a CR, LF or NUL."
   (let ((unsafe-p nil))
     (loop for (name . value) in headers
           when (and value (not (member name omitted)))
-            do (when (push-header-line (header-name-text name) value head)
+            do (when (push-header-line name value head (made-header-value-octets value))
                  (setf unsafe-p t)))
     (loop for (nil . cookie) in (hunchentoot:cookies-out*)
           do (when (push-header-line "Set-Cookie" (cookie-header-value cookie) head)
                (setf unsafe-p t)))
     (push-crlf head)
     unsafe-p))
+
+(defun made-header-value-octets (value)
+  "The octets of VALUE when it is a header value the engine made and hands
+to no one to change -- the Date of this second, the Server of the worker's
+acceptor, the content type a charset was last added to -- made with it;
+else NIL.  Most of a common reply's head is then copied whole, not
+character by character."
+  (or (date-header-octets value)
+      (charset-added-content-type-octets value)
+      (and *serving*
+           (eq value (serving-server-header-value *serving*))
+           (serving-server-header-octets *serving*))))
 
 (defun write-reply-head (return-code head omitted slot-reply)
   "Mark the current reply's headers sent and make HEAD its head

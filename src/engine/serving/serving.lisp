@@ -34,8 +34,9 @@
   ;; kept-alive connection stays open (the acceptor's KEEP-ALIVE-TIMEOUT).
   (keep-alive-header-value "" :type string :read-only t)
   ;; The acceptor's server name, asked once: Hunchentoot formats it anew at
-  ;; every call.
+  ;; every call.  And its octets (HEADER-TEXT-OCTETS).
   (server-header-value nil :read-only t)
+  (server-header-octets nil :read-only t)
   ;; The stripe of the set's counters this worker counts its requests in.
   (counter-stripe 0 :type fixnum :read-only t)
   ;; Where the acceptor keeps Hunchentoot's count of requests in progress
