@@ -242,6 +242,7 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "perf-profile")
                (:file "websockets")
                (:file "threaded-floor")
+               (:file "engine-floor")
                (:file "scheduling")
                (:file "events")
                (:file "per-core")

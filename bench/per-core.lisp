@@ -10,10 +10,12 @@
 ;;;; session counter (ours only: its ratio is to ours' plain handler), and a
 ;;;; 1 ms handler kept alive.  The threaded floor (bench/threaded-
 ;;;; floor.lisp, pinned as the others) says what threads that each take one
-;;;; connection per epoll_wait can do, at 0 ms and at 1 ms.  Ours'
-;;;; fraction of another server is the median of each round's fraction, its
-;;;; two servers measured seconds apart: the machine's speed drifts more
-;;;; between rounds (bench/profiles/2026-11-29-costs-per-request.txt).
+;;;; connection per epoll_wait can do, at 0 ms and at 1 ms; the engine
+;;;; floor (bench/engine-floor.lisp) what ours' engine does at 0 ms before
+;;;; Hunchentoot's protocol is run.  Ours' fraction of another server is
+;;;; the median of each round's fraction, its two servers measured seconds
+;;;; apart: the machine's speed drifts more between rounds
+;;;; (bench/profiles/2026-11-29-costs-per-request.txt).
 ;;;; `bench/run per-core` measures it alone; `make bench` ends with it.
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
@@ -27,8 +29,10 @@
 server's own on a machine of one.")
 
 (defparameter *per-core-cells*
-  '((:name "0ms keep-alive c100" :connections 100 :servers ("parallel" "nginx" "woo" "threaded-floor"))
-    (:name "0ms keep-alive c1000" :connections 1000 :servers ("parallel" "nginx" "woo" "threaded-floor"))
+  '((:name "0ms keep-alive c100" :connections 100
+     :servers ("parallel" "nginx" "woo" "threaded-floor" "engine-floor"))
+    (:name "0ms keep-alive c1000" :connections 1000
+     :servers ("parallel" "nginx" "woo" "threaded-floor" "engine-floor"))
     (:name "0ms close c100" :connections 100 :close t :servers ("parallel" "nginx" "woo"))
     (:name "0ms 16 pipelined c100" :connections 100 :pipeline 16 :servers ("parallel" "nginx" "woo"))
     (:name "session c100" :connections 100 :path "/app/counter" :cookie t :servers ("parallel"))
@@ -52,11 +56,12 @@ should reach.")
 
 (defun per-core-servers (woo)
   "The servers of the per-core table: ours, nginx with one worker, WOO (a
-built peer, or NIL) with one worker, and the threaded floor."
+built peer, or NIL) with one worker, the threaded floor and the engine floor."
   (remove nil (list (list :name "parallel" :label "parallel-easy-acceptor" :lisp :parallel)
                     (list :name "nginx" :label "nginx, 1 worker" :nginx t :workers 1)
                     (and woo (list* :workers 1 :label "Woo, 1 worker" woo))
-                    *threaded-floor-server*)))
+                    *threaded-floor-server*
+                    *engine-floor-server*)))
 
 (defun per-core-wrk-script (directory &key cookie pipeline)
   "A wrk Lua script in DIRECTORY that adds COOKIE to each request and
