@@ -7,8 +7,9 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defstruct (reply-head (:constructor make-reply-head ()))
-  (octets (make-array 2048 :element-type '(unsigned-byte 8)) :type octets)
+(defstruct (reply-head (:constructor make-reply-head
+                            (&optional (octets (make-array 2048 :element-type '(unsigned-byte 8))))))
+  (octets nil :type octets)
   (end 0 :type fixnum))
 
 (declaim (inline room-for))
@@ -97,6 +98,8 @@ name (CHUNGA:AS-CAPITALIZED-STRING), and the colon and space after it."
   (map 'octets #'char-code (format nil "~A: " (chunga:as-capitalized-string name))))
 
 (defmacro header-line-starts-case (name &rest names)
+  "The HEADER-LINE-START of NAME when it is one of NAMES, made once, at
+load; else NIL."
   `(case ,name
      ,@(loop for known in names
              collect `(,known (load-time-value (header-line-start ,known) t)))
@@ -127,11 +130,11 @@ line is then not one to send (REFUSE-UNSAFE-HEADER-VALUES)."
     (push-crlf head)))
 
 (defun header-text-octets (text)
-  "The octets PUSH-TEXT writes TEXT as, a fresh vector; NIL when TEXT has a
-CR, LF or NUL."
-  (let ((head (make-reply-head)))
+  "The octets PUSH-TEXT writes TEXT as, a fresh vector of just their
+length; NIL when TEXT has a CR, LF or NUL."
+  (let ((head (make-reply-head (make-array (length text) :element-type '(unsigned-byte 8)))))
     (unless (push-text text head)
-      (subseq (reply-head-octets head) 0 (reply-head-end head)))))
+      (reply-head-octets head))))
 
 ;;; Header values that would end their line early.
 
