@@ -301,6 +301,43 @@ SET started, and no worker."
           (hrt::pop-worker-task set)
           (mapc #'usocket:socket-close clients))))))
 
+(test saturation.the-nudge-wakes-a-worker-only-for-tasks-held-up
+  ;; Under steady load the queue is refilled as fast as it is served: a
+  ;; nudge finding only tasks queued since it was armed wakes no worker.
+  (with-engine-without-workers (engine set port)
+    (let ((task-fd (hrt::readiness-set-task-fd set)))
+      (flet ((queue (count)
+               (hrt::queue-worker-tasks set (loop repeat count collect (lambda (serving) (declare (ignore serving))))))
+             (take (count)
+               (dotimes (index count) (is-true (hrt::pop-worker-task set))))
+             (woken-p ()
+               ;; Reading the eventfd clears it: true when it was signalled.
+               (and (hrt::clear-timer-fd task-fd) t)))
+        (woken-p)
+        (queue 3)
+        (take 3)
+        (queue 2)
+        (hrt::nudge-task-workers set)
+        (is-false (woken-p) "the tasks older than the nudge were all taken")
+        (is-true (hrt::readiness-set-task-nudge-p set) "armed again for the newer ones")
+        (take 1)
+        (hrt::nudge-task-workers set)
+        (is-true (woken-p) "a task older than the nudge still waits")
+        (is-false (hrt::readiness-set-task-nudge-p set))
+        (take 1)
+        ;; Tokens queued after a function and taken out of the queue by the
+        ;; sweep: the function left counts as the newest, and waits one
+        ;; nudge more at most.
+        (queue 1)
+        (hrt::queue-worker-tasks set (list 123456 123457))
+        (is (equal '(123456 123457) (hrt::take-queued-tokens set)))
+        (hrt::nudge-task-workers set)
+        (is-false (woken-p))
+        (hrt::nudge-task-workers set)
+        (is-true (woken-p) "the function left waited two nudges")
+        (take 1)
+        (is (null (hrt::readiness-set-tasks set)))))))
+
 (test saturation.a-refused-listening-socket-is-reported-no-more
   ;; Hung up by a soft STOP, it would be reported to every wait until the
   ;; socket is closed, the workers spinning on it meanwhile.

@@ -18,10 +18,14 @@
   ;; The tasks any worker may run (worker-tasks.lisp), oldest first, the
   ;; last cons of the list, whether a nudge is due, and the lock around
   ;; them; the eventfd that wakes a worker for them, in the epoll set
-  ;; under +TASK-TOKEN+.
+  ;; under +TASK-TOKEN+.  The tasks ever queued and taken, and the count
+  ;; queued when the nudge due was armed: those below it are older.
   (tasks '())
   (tasks-tail '())
   (task-nudge-p nil)
+  (tasks-queued 0 :type fixnum)
+  (tasks-taken 0 :type fixnum)
+  (task-nudge-mark 0 :type fixnum)
   ;; Functions CALL-SOON was given, newest first, and whether the timer
   ;; that calls them is set; under TASKS-LOCK too.
   (soon-calls '())
