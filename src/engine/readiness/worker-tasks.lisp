@@ -4,30 +4,30 @@
 ;;;; (NEXT-READY-TOKEN), each a connection or the listening socket that any
 ;;;; worker may take up as if the set had reported it to it.
 ;;;;
-;;;; A task waits in the set's queue.  Every worker takes tasks from it
-;;;; before it waits on the set again (RUN-QUEUED-TASKS), so that the worker
-;;;; that read a connection's streams answers them itself, in order, without
-;;;; waking another: waking a worker a stream cost more than the stream
+;;;; A task waits in the set's queue.  Every worker takes tasks from it before
+;;;; it waits on the set again (RUN-QUEUED-TASKS), so that the worker that
+;;;; read a connection's streams answers them itself, in order, without waking
+;;;; another: waking a worker a stream cost more than the stream
 ;;;; (bench/profiles/2026-11-28-http2.txt); and so that the connections one
-;;;; wait reported are served by it in turn, one epoll_wait for many.  A
-;;;; slow handler must not hold up the tasks behind it, though: a task queued
-;;;; arms a nudge, called +TASK-NUDGE-MILLISECONDS+ later.  If a task queued
-;;;; before the nudge was armed still waits then, the queue is held up: the
-;;;; nudge makes the task eventfd readable; the worker it wakes takes one,
-;;;; and makes it readable again while more wait, so that each waiting task
-;;;; soon has a worker, and the pool grows when none waits
-;;;; (ENGINE-WORK-WAITING-P sees the eventfd).  If all those were taken and
-;;;; only newer tasks wait, the workers keep up with the queue: the nudge is
-;;;; armed again for the newer ones, and no worker is woken.  Under steady
-;;;; load the queue is refilled as fast as it is served, never empty for
-;;;; long; waking a worker each time it was not was an eventfd written and
-;;;; read, a descriptor armed and a thread switch every millisecond
+;;;; wait reported are served by it in turn, one epoll_wait for many.  A slow
+;;;; handler must not hold up the tasks behind it, though: a task queued arms
+;;;; a nudge, called +TASK-NUDGE-MILLISECONDS+ later.  If a task queued before
+;;;; the nudge was armed still waits then, the queue is held up: the nudge
+;;;; makes the task eventfd readable; the worker it wakes takes one, and makes
+;;;; it readable again while more wait, so that each waiting task soon has a
+;;;; worker, and the pool grows when none waits (ENGINE-WORK-WAITING-P sees
+;;;; the eventfd).  If all those were taken and only newer tasks wait, the
+;;;; workers keep up with the queue: the nudge is armed again for the newer
+;;;; ones, and no worker is woken.  Under steady load the queue is refilled as
+;;;; fast as it is served, never empty for long; waking a worker each time it
+;;;; was not was an eventfd written and read, a descriptor armed and a thread
+;;;; switch every millisecond
 ;;;; (bench/profiles/2026-11-29-reply-head-octets.txt).  The counts of tasks
 ;;;; queued and taken tell which tasks are older than the nudge: taken in
 ;;;; order, but for the tokens the sweep takes out of it, after which the
-;;;; functions left count as the newest, waiting one nudge more at most.  The eventfd is watched
-;;;; one-shot; the worker it wakes clears it and arms it again.  While no
-;;;; worker is free the sweep takes the queued tokens instead
+;;;; functions left count as the newest, waiting one nudge more at most.  The
+;;;; eventfd is watched one-shot; the worker it wakes clears it and arms it
+;;;; again.  While no worker is free the sweep takes the queued tokens instead
 ;;;; (TAKE-QUEUED-TOKENS), as it takes what the set reports.
 ;;;;
 ;;;; CALL-SOON defers a call, such as the nudge, briefly: one timer for all
