@@ -246,25 +246,22 @@ with its own keys."
 
 (defvar *content-type-with-charset* (list nil nil nil)
   "The last content type and external format the charset was added for, and
-the result: handlers set the same literal content type again and again.")
-
-(defvar *charset-added-content-type* (cons "" (header-text-octets ""))
-  "The last content type CONTENT-TYPE-WITH-CHARSET made, and its octets.")
+the result with its octets when the charset was added (else NIL): handlers
+set the same literal content type again and again.")
 
 (defun content-type-with-charset (content-type external-format)
   "CONTENT-TYPE with the charset of EXTERNAL-FORMAT added if it is a text
 type without one, as Hunchentoot adds it to a string body's type."
-  (remembering-last-answer (*content-type-with-charset* content-type external-format)
-    (if (and (<= 4 (length content-type))
-             (string-equal "text" content-type :end2 4)
-             (not (charset-parameter-p content-type)))
-        (let ((made (format nil "~A; charset=~(~A~)" content-type (flex:external-format-name external-format))))
-          (setf *charset-added-content-type* (cons made (header-text-octets made)))
-          made)
-        content-type)))
+  (car (remembering-last-answer (*content-type-with-charset* content-type external-format)
+         (if (and (<= 4 (length content-type))
+                  (string-equal "text" content-type :end2 4)
+                  (not (charset-parameter-p content-type)))
+             (let ((made (format nil "~A; charset=~(~A~)" content-type (flex:external-format-name external-format))))
+               (cons made (header-text-octets made)))
+             (cons content-type nil)))))
 
 (defun charset-added-content-type-octets (value)
   "The octets of VALUE when it is the content type CONTENT-TYPE-WITH-CHARSET
-made last; else NIL."
-  (let ((made *charset-added-content-type*))
-    (and (eq value (car made)) (cdr made))))
+last made, adding the charset; else NIL."
+  (let ((answer (third *content-type-with-charset*)))
+    (and (eq value (car answer)) (cdr answer))))
