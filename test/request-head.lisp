@@ -297,6 +297,10 @@ those it leaves to Hunchentoot include every one Hunchentoot refuses."
                             (loop repeat 3000 collect (random-cookie-header random-state))))
       (let ((ours (hrt::cookie-header-fields header))
             (theirs (hunchentoot-cookie-reading header)))
+        ;; The engine's strings are of either kind; each is read alike.
+        (when (every (lambda (char) (typep char 'base-char)) header)
+          (is (equal ours (hrt::cookie-header-fields (coerce header 'simple-base-string)))
+              "~S read otherwise as a base string" header))
         (if (eq ours :irregular)
             (incf left)
             (progn (incf read)
@@ -305,6 +309,25 @@ those it leaves to Hunchentoot include every one Hunchentoot refuses."
           (is (eq :irregular ours) "~S: Hunchentoot refuses it, ours read ~S" header ours))))
     ;; Most headers are read here, not left to Hunchentoot.
     (is (> read (* 2 left)) "~D read, ~D left to Hunchentoot" read left)))
+
+(test string-occurs-p.as-search-finds-it
+  "STRING-OCCURS-P answers as SEARCH of two strings, over either kind of
+string searched, the part at its start, its end, overlapping itself,
+longer than the string, and empty."
+  (let ((random-state (sb-ext:seed-random-state 55)))
+    (flet ((check (part string)
+             (dolist (string (list string (coerce string 'simple-base-string)))
+               (is (eq (and (search part string) t) (hrt::string-occurs-p part string))
+                   "~S in ~S" part string))))
+      (dolist (case '(("" "") ("" "abc") ("a" "") ("abc" "ab") ("ab" "ab") ("ab" "xab") ("ab" "abx")
+                      ("aab" "aaab") ("hunchentoot-session" "x=1; hunchentoot-session=12:ab")
+                      ("hunchentoot-session" "hunchentoot-sessio")))
+        (apply #'check case))
+      (loop repeat 2000
+            do (flet ((random-text (most)
+                        (coerce (loop repeat (random most random-state) collect (char "ab=;" (random 4 random-state)))
+                                'string)))
+                 (check (random-text 4) (random-text 12)))))))
 
 (test octets-input-stream.reads-its-octets-as-a-file-would
   "An OCTETS-INPUT-STREAM reads the octets of its vector from START below

@@ -255,10 +255,10 @@ else NIL."
   "False when neither the Cookie header COOKIE-HEADER nor the query string
 QUERY-STRING (without %-escapes) can give a cookie or GET parameter named
 SESSION-COOKIE-NAME: Hunchentoot's SESSION-VERIFY then finds no session."
-  (or (and cookie-header (search session-cookie-name cookie-header))
+  (or (and cookie-header (string-occurs-p session-cookie-name cookie-header))
       (and query-string
            (or (find #\Space session-cookie-name)
-               (search session-cookie-name query-string)))))
+               (string-occurs-p session-cookie-name query-string)))))
 
 (defun verify-plain-request-session (request acceptor constructors)
   "Set REQUEST's session and HUNCHENTOOT:*SESSION* as Hunchentoot's

@@ -24,3 +24,17 @@ compiled once for each kind, and once for any other string."
       (dotimes (index (length string))
         (setf (aref octets index) (char-code (char string index)))))
     octets))
+
+(defun string-occurs-p (part string)
+  "True when the string PART occurs in STRING, case counting, as SEARCH
+finds it, over STRING's own kind: PART is the server's, short, and STRING
+a client's, read once for each of its characters that starts PART."
+  (let ((part-length (length part))
+        (length (length string)))
+    (or (zerop part-length)
+        (let ((first (char part 0)))
+          (with-string-kind (string)
+            (loop for start from 0 to (- length part-length)
+                  thereis (and (char= (char string start) first)
+                               (loop for index from 1 below part-length
+                                     always (char= (char string (+ start index)) (char part index))))))))))
