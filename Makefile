@@ -22,6 +22,8 @@
 # make bench-events      3,000 and 10,000 event streams, 2,000 deferred replies, a subscriber that reads nothing, two processes over PostgreSQL
 # make bench-per-core   each server pinned to one processor, wrk to the other: requests/s and the server's
 #                        processor time a request, ours, nginx and Woo with one worker, the threaded floor
+# make bench-same-moment REV=x  ours at REV and ours as checked out, pinned to one processor and loaded at the
+#                        same moment: each one's requests per processor second on the per-core table's kept-alive cells
 # make bench-compression  a 10 KiB page with gzip offered, ours and nginx at level 1; ours with zstd and br
 # make bench-waits       the 1 ms handler cells: ours sleeping, ours deferring its reply to its timer, nginx's echo_sleep
 # Each target installs the Debian packages it needs first (make deps).
@@ -48,7 +50,7 @@ BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox pr
                  libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \
                  cl-trivial-gray-streams cl-alexandria cl-global-vars cl-trivial-garbage
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-applications bench-https bench-websockets bench-threaded-floor bench-scheduling bench-waits bench-events bench-per-core bench-compression bench-http2
+.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-applications bench-https bench-websockets bench-threaded-floor bench-scheduling bench-waits bench-events bench-per-core bench-same-moment bench-compression bench-http2
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -128,6 +130,9 @@ bench-events: bench-deps
 
 bench-per-core: bench-deps
 	bench/run per-core
+
+bench-same-moment: bench-deps
+	bench/run same-moment $(REV)
 
 bench-compression: bench-deps
 	bench/run compression

@@ -246,6 +246,7 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "scheduling")
                (:file "events")
                (:file "per-core")
+               (:file "same-moment")
                (:file "compression")
                (:file "http2")))
 

@@ -1,0 +1,142 @@
+;;;; Two builds of ours measured at the same moment: both pinned to
+;;;; processor 0, each loaded by a wrk of its own pinned to processor 1, the
+;;;; two wrk started together.  Each build's figure is its requests per
+;;;; second of its own processor time (user + system): a server that keeps
+;;;; its processor busy answers one over that time a second.  Measured run
+;;;; after run, the machine's drift decides: ours' rate moved 2x from one
+;;;; second to the next in one process, nginx's 1.6x; at the same moment
+;;;; the drift falls on both alike, and the same build against itself
+;;;; stayed within 0.94-1.06
+;;;; (bench/profiles/2026-11-29-same-moment.txt).  Sharing the processor,
+;;;; each pays for the other's use of the caches, alike when both are ours:
+;;;; the ratio compares two builds of ours, not ours with another server,
+;;;; whose share of the processor and whose caches differ.
+;;;; `bench/run same-moment REVISION [ROUNDS [SECONDS]]`.
+
+(in-package #:hunchentoot-recycling-taskmaster-bench)
+
+(defparameter *same-moment-cells*
+  (remove-if-not (lambda (cell)
+                   (member (getf cell :name) '("0ms keep-alive c100" "0ms keep-alive c1000" "session c100"
+                                               "1ms keep-alive c1000")
+                           :test #'string=))
+                 *per-core-cells*)
+  "The cells of the per-core table (*PER-CORE-CELLS*) two builds of ours are
+measured on at the same moment: the kept-alive ones that are ours' own
+cost a request.")
+
+(defun same-moment-figures (output processor-seconds)
+  "One build's figures from its wrk OUTPUT and the PROCESSOR-SECONDS (user,
+system) its server used meanwhile: wrk's, and :REQUESTS-PER-PROCESSOR-SECOND."
+  (let* ((figures (parse-wrk output))
+         (requests (getf figures :requests))
+         (seconds (reduce #'+ processor-seconds)))
+    (list* :requests-per-processor-second (and requests (plusp requests) (plusp seconds) (/ requests seconds))
+           :server-us (and requests (plusp requests) (/ (* 1000000 seconds) requests))
+           figures)))
+
+(defun launch-wrk (port cell seconds script)
+  "Start one wrk for CELL on PORT for SECONDS as PER-CORE-WRK runs it; its
+process-info, its output a string UIOP:WAIT-PROCESS's caller reads from
+the returned stream."
+  (destructuring-bind (&key connections (path "/yo") &allow-other-keys) cell
+    (uiop:launch-program (append (list "taskset" "-c" *per-core-client-processors*
+                                       "wrk" "-t1" (format nil "-c~D" connections) (format nil "-d~Ds" seconds))
+                                 (and script (list "-s" (namestring script)))
+                                 (list (format nil "http://127.0.0.1:~D~A" port path)))
+                         :output :stream :error-output :output)))
+
+(defun wrk-together (ports cell seconds scripts)
+  "Run a wrk for CELL on each of PORTS (with the SCRIPTS in order) for
+SECONDS, all started together; their outputs, in order."
+  (let ((processes (mapcar (lambda (port script) (launch-wrk port cell seconds script)) ports scripts)))
+    (mapcar (lambda (process)
+              (prog1 (uiop:slurp-stream-string (uiop:process-info-output process))
+                (uiop:wait-process process)))
+            processes)))
+
+(defun measure-same-moment-cell (servers cell &key seconds core directory)
+  "Start SERVERS (two) pinned to *PER-CORE-SERVER-PROCESSORS*, warm them 2 s
+together, measure CELL on both at once for SECONDS, stop them.  Each one's
+SAME-MOMENT-FIGURES, in order, or a list of :FAILED plists."
+  (let* ((ports (mapcar (lambda (server) (declare (ignore server)) (free-port)) servers))
+         (processes (let ((*server-processors* *per-core-server-processors*))
+                      (mapcar (lambda (server port)
+                                (launch-server server port (getf cell :delay-ms 0) core
+                                               (namestring (merge-pathnames (format nil "same-moment-~D.log" port)
+                                                                            directory))))
+                              servers ports))))
+    (unwind-protect
+         (if (notevery #'wait-until-serving ports)
+             (mapcar (constantly (list :failed "server did not answer GET /yo within 30 s")) servers)
+             (let ((scripts (mapcar (lambda (port)
+                                      (per-core-wrk-script directory :cookie (and (getf cell :cookie)
+                                                                                  (returning-user-cookie port))))
+                                    ports))
+                   (pids (mapcar #'uiop:process-info-pid processes)))
+               (wrk-together ports cell 2 scripts)
+               (let* ((before (mapcar (lambda (pid) (multiple-value-list (server-processor-seconds pid))) pids))
+                      (outputs (wrk-together ports cell seconds scripts))
+                      (after (mapcar (lambda (pid) (multiple-value-list (server-processor-seconds pid))) pids)))
+                 (mapcar (lambda (output before after) (same-moment-figures output (mapcar #'- after before)))
+                         outputs before after))))
+      (mapc #'stop-server processes))))
+
+(defun same-moment-ratio (figures)
+  "The second build's requests per processor second over the first's, of one
+round's FIGURES (two), or NIL when either failed or answered other than 2xx."
+  (destructuring-bind (first second) figures
+    (and (notany (lambda (f) (or (getf f :failed) (plusp (per-core-errors f)))) figures)
+         (ratio-to (getf second :requests-per-processor-second) (getf first :requests-per-processor-second)))))
+
+(defun same-moment-summary (measured servers rounds seconds)
+  "The markdown report of MEASURED (cell name -> each round's figures of
+both SERVERS)."
+  (with-output-to-string (out)
+    (format out "Same moment: ~A and ~A, both pinned to processor ~A, each loaded by a wrk -t1 of its own pinned ~
+                 to processor ~A, the two started together; ~D round~:P of ~D s a cell.  Each round: requests/s, ~
+                 the server's processor time a request (us), and the second's requests per processor second over ~
+                 the first's:~%~%| cell | rounds | ratio (median) |~%|---|---|---:|~%"
+            (getf (first servers) :label) (getf (second servers) :label)
+            *per-core-server-processors* *per-core-client-processors* rounds seconds)
+    (dolist (cell *same-moment-cells*)
+      (let* ((rounds (reverse (gethash (getf cell :name) measured)))
+             (ratios (remove nil (mapcar #'same-moment-ratio rounds))))
+        (format out "| ~A | ~{~A~^; ~} | ~:[-~;~:*~A~] |~%" (getf cell :name)
+                (mapcar (lambda (figures)
+                          (format nil "~{~A~^ / ~}~@[ ~A~]"
+                                  (mapcar (lambda (f)
+                                            (if (getf f :failed)
+                                                "failed"
+                                                (format nil "~D (~,1F us~:[~*~;, ~D errors~])"
+                                                        (round (getf f :requests-per-second)) (getf f :server-us)
+                                                        (plusp (per-core-errors f)) (per-core-errors f))))
+                                          figures)
+                                  (let ((ratio (same-moment-ratio figures))) (and ratio (ratio-text ratio)))))
+                        rounds)
+                (and ratios (ratios-text ratios)))))))
+
+(defun run-same-moment (&key revision revision-core core (rounds 5) (seconds 5) directory)
+  "Measure ours at REVISION (built as REVISION-CORE) and ours as checked out
+(CORE) at the same moment on each of *SAME-MOMENT-CELLS*, ROUNDS rounds in
+turn, and print and write the report (WRITE-SUITE-REPORT).  True when both
+answered every request with a 2xx."
+  (let ((servers (list (list :name "revision" :label (format nil "ours at ~A" revision) :lisp :parallel
+                             :core revision-core)
+                       (list :name "checkout" :label "ours as checked out" :lisp :parallel)))
+        (measured (make-hash-table :test #'equal))
+        (work (uiop:ensure-directory-pathname
+               (string-right-trim '(#\Newline) (uiop:run-program '("mktemp" "-d") :output :string)))))
+    (unwind-protect
+         (loop for round from 1 to rounds
+               do (dolist (cell *same-moment-cells*)
+                    (format t "~&Same moment, round ~D of ~D: ~A~%" round rounds (getf cell :name))
+                    (finish-output)
+                    (push (measure-same-moment-cell servers cell :seconds seconds :core core :directory work)
+                          (gethash (getf cell :name) measured))))
+      (uiop:delete-directory-tree work :validate t :if-does-not-exist :ignore))
+    (write-suite-report (same-moment-summary measured servers rounds seconds) "same-moment" directory)
+    (loop for rounds being the hash-values of measured
+          always (every (lambda (figures)
+                          (every (lambda (f) (and (not (getf f :failed)) (zerop (per-core-errors f)))) figures))
+                        rounds))))
