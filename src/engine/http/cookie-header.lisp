@@ -10,8 +10,8 @@
   "The pair (name . value) of the cookie field of HEADER from START below
 END: split at its first =, the name trimmed of spaces."
   (declare (type fixnum start end))
-  ;; Loops over the string's own kind: POSITION's generic search with a
-  ;; :TEST was a fifth of reading a returning user's Cookie header
+  ;; Loops over the string's own kind: by POSITION with a :TEST, generic,
+  ;; this was three fifths of reading a returning user's Cookie header
   ;; (bench/profiles/2026-11-29-same-moment.txt).
   (with-string-kind (header)
     (let* ((equals (loop for index from start below end

@@ -27,8 +27,9 @@ compiled once for each kind, and once for any other string."
 
 (defun string-occurs-p (part string)
   "True when the string PART occurs in STRING, case counting, as SEARCH
-finds it, over STRING's own kind: PART is the server's, short, and STRING
-a client's, read once for each of its characters that starts PART."
+finds it, over STRING's own kind.  For the server's short PART in a
+client's STRING: each character of STRING is compared with PART's first,
+and PART whole only where that one matches."
   (let ((part-length (length part))
         (length (length string)))
     (or (zerop part-length)
