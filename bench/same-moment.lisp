@@ -36,9 +36,8 @@ system) its server used meanwhile: wrk's, and :REQUESTS-PER-PROCESSOR-SECOND."
            figures)))
 
 (defun launch-wrk (port cell seconds script)
-  "Start one wrk for CELL on PORT for SECONDS as PER-CORE-WRK runs it; its
-process-info, its output a string UIOP:WAIT-PROCESS's caller reads from
-the returned stream."
+  "Start one wrk for CELL on PORT for SECONDS, as PER-CORE-WRK runs it, with
+SCRIPT when given; its process-info, whose output stream gives wrk's report."
   (destructuring-bind (&key connections (path "/yo") &allow-other-keys) cell
     (uiop:launch-program (append (list "taskset" "-c" *per-core-client-processors*
                                        "wrk" "-t1" (format nil "-c~D" connections) (format nil "-d~Ds" seconds))
