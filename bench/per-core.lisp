@@ -77,17 +77,20 @@ sends PIPELINE requests in each write, or NIL when neither is asked."
                   pipeline)))
       path)))
 
-(defun per-core-wrk (port cell seconds script)
-  "wrk's whole output for CELL on PORT for SECONDS, one wrk thread pinned
+(defun per-core-wrk-command (port cell seconds script)
+  "The command of one wrk for CELL on PORT for SECONDS, one wrk thread pinned
 to *PER-CORE-CLIENT-PROCESSORS*, with SCRIPT when given."
   (destructuring-bind (&key connections close (path "/yo") &allow-other-keys) cell
-    (values
-     (uiop:run-program (append (list "taskset" "-c" *per-core-client-processors*
-                                     "wrk" "-t1" (format nil "-c~D" connections) (format nil "-d~Ds" seconds) "--latency")
-                               (and close (list "-H" "Connection: close"))
-                               (and script (list "-s" (namestring script)))
-                               (list (format nil "http://127.0.0.1:~D~A" port path)))
-                       :output :string :error-output :output :ignore-error-status t))))
+    (append (list "taskset" "-c" *per-core-client-processors*
+                  "wrk" "-t1" (format nil "-c~D" connections) (format nil "-d~Ds" seconds) "--latency")
+            (and close (list "-H" "Connection: close"))
+            (and script (list "-s" (namestring script)))
+            (list (format nil "http://127.0.0.1:~D~A" port path)))))
+
+(defun per-core-wrk (port cell seconds script)
+  "wrk's whole output for CELL on PORT for SECONDS (PER-CORE-WRK-COMMAND)."
+  (values (uiop:run-program (per-core-wrk-command port cell seconds script)
+                            :output :string :error-output :output :ignore-error-status t)))
 
 (defun measure-per-core-cell (server cell &key seconds core directory)
   "Start SERVER pinned to *PER-CORE-SERVER-PROCESSORS*, warm it 2 s,

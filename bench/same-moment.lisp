@@ -36,14 +36,9 @@ system) its server used meanwhile: wrk's, and :REQUESTS-PER-PROCESSOR-SECOND."
            figures)))
 
 (defun launch-wrk (port cell seconds script)
-  "Start one wrk for CELL on PORT for SECONDS, as PER-CORE-WRK runs it, with
-SCRIPT when given; its process-info, whose output stream gives wrk's report."
-  (destructuring-bind (&key connections (path "/yo") &allow-other-keys) cell
-    (uiop:launch-program (append (list "taskset" "-c" *per-core-client-processors*
-                                       "wrk" "-t1" (format nil "-c~D" connections) (format nil "-d~Ds" seconds))
-                                 (and script (list "-s" (namestring script)))
-                                 (list (format nil "http://127.0.0.1:~D~A" port path)))
-                         :output :stream :error-output :output)))
+  "Start the wrk PER-CORE-WRK runs for CELL on PORT for SECONDS with SCRIPT;
+its process-info, whose output stream gives wrk's report."
+  (uiop:launch-program (per-core-wrk-command port cell seconds script) :output :stream :error-output :output))
 
 (defun wrk-together (ports cell seconds scripts)
   "Run a wrk for CELL on each of PORTS (with the SCRIPTS in order) for
