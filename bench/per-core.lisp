@@ -134,6 +134,11 @@ Lisp server."
   (+ (getf figures :non-2xx 0) (getf figures :connect-errors 0) (getf figures :read-errors 0)
      (getf figures :write-errors 0) (getf figures :timeout-errors 0)))
 
+(defun per-core-answered-p (figures)
+  "True when the measurement FIGURES ran and wrk counted no error and no
+reply other than 2xx."
+  (and (not (getf figures :failed)) (zerop (per-core-errors figures))))
+
 (defun round-rate (figures)
   "The requests/s of one round's FIGURES, or NIL when that round failed."
   (and (not (getf figures :failed)) (getf figures :requests-per-second)))
@@ -234,4 +239,4 @@ request of every cell with a 2xx."
     (write-suite-report (per-core-summary cells measured servers rounds seconds) "per-core" directory)
     (loop for key being the hash-keys of cells using (hash-value figures)
           always (or (string/= (second key) "parallel")
-                     (and (not (getf figures :failed)) (zerop (per-core-errors figures)))))))
+                     (per-core-answered-p figures)))))

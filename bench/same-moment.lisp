@@ -80,7 +80,7 @@ SAME-MOMENT-FIGURES, in order, or a list of :FAILED plists."
   "The second build's requests per processor second over the first's, of one
 round's FIGURES (two), or NIL when either failed or answered other than 2xx."
   (destructuring-bind (first second) figures
-    (and (notany (lambda (f) (or (getf f :failed) (plusp (per-core-errors f)))) figures)
+    (and (every #'per-core-answered-p figures)
          (ratio-to (getf second :requests-per-processor-second) (getf first :requests-per-processor-second)))))
 
 (defun same-moment-summary (measured servers rounds seconds)
@@ -94,8 +94,8 @@ both SERVERS)."
             (getf (first servers) :label) (getf (second servers) :label)
             *per-core-server-processors* *per-core-client-processors* rounds seconds)
     (dolist (cell *same-moment-cells*)
-      (let* ((rounds (reverse (gethash (getf cell :name) measured)))
-             (ratios (remove nil (mapcar #'same-moment-ratio rounds))))
+      (let* ((cell-rounds (reverse (gethash (getf cell :name) measured)))
+             (ratios (remove nil (mapcar #'same-moment-ratio cell-rounds))))
         (format out "| ~A | ~{~A~^; ~} | ~:[-~;~:*~A~] |~%" (getf cell :name)
                 (mapcar (lambda (figures)
                           (format nil "~{~A~^ / ~}~@[ ~A~]"
@@ -107,7 +107,7 @@ both SERVERS)."
                                                         (plusp (per-core-errors f)) (per-core-errors f))))
                                           figures)
                                   (let ((ratio (same-moment-ratio figures))) (and ratio (ratio-text ratio)))))
-                        rounds)
+                        cell-rounds)
                 (and ratios (ratios-text ratios)))))))
 
 (defun run-same-moment (&key revision revision-core core (rounds 5) (seconds 5) directory)
@@ -130,7 +130,5 @@ answered every request with a 2xx."
                           (gethash (getf cell :name) measured))))
       (uiop:delete-directory-tree work :validate t :if-does-not-exist :ignore))
     (write-suite-report (same-moment-summary measured servers rounds seconds) "same-moment" directory)
-    (loop for rounds being the hash-values of measured
-          always (every (lambda (figures)
-                          (every (lambda (f) (and (not (getf f :failed)) (zerop (per-core-errors f)))) figures))
-                        rounds))))
+    (loop for cell-rounds being the hash-values of measured
+          always (every (lambda (figures) (every #'per-core-answered-p figures)) cell-rounds))))
