@@ -201,6 +201,12 @@ which parses the request's URI, GET parameters and cookies and verifies its
 session."
   (find-method #'initialize-instance '(:after) (list (find-class 'hunchentoot:request))))
 
+(defun reply-initializer-method ()
+  "Hunchentoot's INITIALIZE-INSTANCE :AFTER method on HUNCHENTOOT:REPLY,
+which sets the reply's Content-Type to HUNCHENTOOT:*DEFAULT-CONTENT-TYPE*
+through (SETF HUNCHENTOOT:HEADER-OUT)."
+  (find-method #'initialize-instance '(:after) (list (find-class 'hunchentoot:reply))))
+
 (defun default-session-verify-method ()
   "Hunchentoot's HUNCHENTOOT:SESSION-VERIFY method, which looks for the
 session cookie, then for a GET parameter of that name."

@@ -51,6 +51,26 @@
 (defmethod initialize-instance :after ((reply test-reply) &key)
   (setf (ht:header-out :x-from-reply-class reply) "yes"))
 
+(defclass reply-with-default-initargs (parallel-reply)
+  ((tag :initarg :tag :initform :fresh :reader reply-tag))
+  (:default-initargs :tag (list :default-initarg))
+  (:documentation "A reply class of a user's whose slot a default initarg fills."))
+
+(ht:define-easy-handler (test-reply-fields :uri "/test/reply-fields") ()
+  (let ((reply ht:*reply*)
+        (*print-pretty* nil))
+    (prog1 (prin1-to-string
+            (list :class (let ((class (ht:acceptor-reply-class ht:*acceptor*)))
+                           (if (typep reply class) class (type-of reply)))
+                  :headers (ht:headers-out* reply)
+                  :content-type (ht:content-type* reply)
+                  :content-length (ht:content-length* reply)
+                  :return-code (ht:return-code* reply)
+                  :external-format (flex:external-format-name (ht:reply-external-format* reply))
+                  :cookies (ht:cookies-out* reply)
+                  :tag (and (slot-exists-p reply 'tag) (slot-value reply 'tag))))
+      (setf (ht:content-type*) "text/plain"))))
+
 (defun reply-complete-p (text head-request-p)
   "True when TEXT holds a whole reply: its head, then the body its
 Content-Length, chunked coding or status says (none for HEAD and 304)."
@@ -240,6 +260,15 @@ should the second turn, or another thread's value replace it, in between."
   (check-same-replies (list (get-request "/test/classes"))
                       :request-class 'test-request :reply-class 'test-reply))
 
+(test replies.reply-objects-same-as-hunchentoots
+  (dolist (class '(ht:reply reply-with-default-initargs test-reply))
+    (check-same-replies (list (get-request "/test/reply-fields")) :reply-class class))
+  (let ((default ht:*default-content-type*))
+    ;; Set, not bound: the workers read the global value.
+    (setf ht:*default-content-type* "text/x-other")
+    (unwind-protect (check-same-replies (list (get-request "/test/reply-fields")))
+      (setf ht:*default-content-type* default))))
+
 ;;; Header values that would end their line early: a handler that copies a
 ;;; client's text into a header, a cookie or a redirect target.
 
@@ -318,7 +347,14 @@ should the second turn, or another thread's value replace it, in between."
            (let ((reply (yo-reply-text server)))
              (is (search "X-Added: by a method" reply) "the reader's method: ~S" reply)
              (dolist (name '(:server :date :content-length))
-               (is (member name *headers-set*) "~S set through (setf header-out): ~S" name *headers-set*)))
+               (is (member name *headers-set*) "~S set through (setf header-out): ~S" name *headers-set*))
+             (let ((ours (count :content-type *headers-set*)))
+               (setf *headers-set* '())
+               (with-server (theirs (make-server 'ht:easy-acceptor))
+                 (yo-reply-text theirs))
+               ;; By the reply's initializer, the handler and the charset's addition.
+               (is (= (count :content-type *headers-set*) ours)
+                   "Content-Type set ~D times, on Hunchentoot's acceptor ~D" ours (count :content-type *headers-set*))))
         (remove-method #'(setf ht:header-out) setter)
         (remove-method #'ht:headers-out reader))
       (setf *headers-set* '())

@@ -18,6 +18,12 @@
   (:documentation "A request class of a user's, initialized as Hunchentoot's
 request is, inheriting from PARALLEL-REQUEST as README advises."))
 
+(defclass request-with-default-initargs (parallel-request)
+  ((tag :initarg :tag :initform :fresh :reader request-tag))
+  (:default-initargs :tag (list :default-initarg))
+  (:documentation "A request class of a user's whose slot a default initarg
+fills, made without Hunchentoot's initializer all the same."))
+
 (defclass hunchentoot-request-with-slots (ht:request)
   ((tag :initform (list :fresh) :reader request-tag))
   (:documentation "A request class of a user's that inherits only from
@@ -122,8 +128,8 @@ Hunchentoot's: served by Hunchentoot's own initializer and PROCESS-REQUEST."))
   (check-same-replies *field-requests*))
 
 (test request-fields.user-request-classes-same-as-hunchentoot
-  (dolist (class '(request-with-slots hunchentoot-request-with-slots request-with-initializer
-                   request-with-session-verify))
+  (dolist (class '(request-with-slots request-with-default-initargs hunchentoot-request-with-slots
+                   request-with-initializer request-with-session-verify))
     (check-same-replies (list (get-request "/test/fields?x=1" "Cookie: a=b" "X-Session: s1")
                               (get-request "/test/fields/%41" "X-Session: s2"))
                         :request-class class)))
@@ -180,6 +186,13 @@ string and headers in HEADERS-AND-QUERY (the first, a query string or NIL)."
             "a class that is not a PARALLEL-REQUEST goes through MAKE-INSTANCE")
   (is-true (hunchentoot-recycling-taskmaster::initialized-as-hunchentoot-request-p
             (find-class 'request-with-slots)))
+  (is-true (hunchentoot-recycling-taskmaster::initialized-as-hunchentoot-request-p
+            (find-class 'request-with-default-initargs)))
+  (is-true (hunchentoot-recycling-taskmaster::initialized-as-hunchentoot-reply-p
+            (find-class 'reply-with-default-initargs)))
+  (is-false (hunchentoot-recycling-taskmaster::initialized-as-hunchentoot-reply-p
+             (find-class 'test-reply))
+            "a reply class with an initializer of its own goes through MAKE-INSTANCE")
   (is-false (hunchentoot-recycling-taskmaster::initialized-as-hunchentoot-request-p
              (find-class 'request-with-initializer))
             "a class with an initializer of its own goes through MAKE-INSTANCE"))

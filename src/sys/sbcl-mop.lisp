@@ -48,6 +48,14 @@ object when it is one)."
                                       (sb-mop:slot-definition-initform slot)
                                       (sb-mop:slot-definition-initfunction slot))))
 
+(defun default-initarg-function (class slot)
+  "The function computing the default initarg of the finalized CLASS that
+fills SLOT, an INSTANCE-SLOT, when MAKE-INSTANCE is given none of its
+initargs; NIL when no default initarg of CLASS names one."
+  (loop for (initarg nil function) in (sb-mop:class-default-initargs class)
+        when (member initarg (instance-slot-initargs slot))
+          return function))
+
 (defmacro instance-slot-value (instance location)
   "The value of INSTANCE's slot at LOCATION (a place)."
   `(sb-mop:standard-instance-access ,instance ,location))

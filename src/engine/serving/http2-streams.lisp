@@ -50,7 +50,8 @@ as HTTP/1.1 octets, or NIL when the pool is stopping."
                    (serving-upgrade serving) nil
                    (serving-deferred serving) nil
                    (serving-event-stream serving) nil)
-             (let* ((reply (make-reply (serving-constructors serving)))
+             (let* ((reply (make-reply (serving-constructors serving)
+                                       (serving-plain-header-methods-p serving)))
                     (hunchentoot:*reply* reply)
                     (hunchentoot:*session* nil))
                (flet ((process-request ()
