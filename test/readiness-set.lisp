@@ -478,6 +478,33 @@ caller closes."
              (is (equalp #(4 5) octets))))
          (mapc #'forget-fd-stream (cons made copies)))))))
 
+(test connection-fd-stream.closed-as-close-closes-it
+  ;; Two streams on two descriptors of one connection: one closed by CLOSE
+  ;; :ABORT T, one by ours; every slot alike after, both descriptors closed,
+  ;; the buffers back in SBCL's pool, and a closed stream left alone.
+  (call-with-accepted-fd
+   (lambda (fd client)
+     (declare (ignore client))
+     (let* ((descriptors (list (sb-unix:unix-dup fd) (sb-unix:unix-dup fd)))
+            (streams (mapcar (lambda (descriptor) (hrt::make-connection-fd-stream descriptor 7)) descriptors))
+            (buffers (list (sb-impl::fd-stream-ibuf (second streams)) (sb-impl::fd-stream-obuf (second streams)))))
+       (write-sequence #(1 2 3) (first streams))
+       (write-sequence #(1 2 3) (second streams))
+       (close (first streams) :abort t)
+       (is (eq t (hrt::close-connection-fd-stream (second streams))))
+       (dolist (descriptor descriptors)
+         (is (null (sb-unix:unix-fstat descriptor)) "descriptor ~D still open" descriptor))
+       (is (not (open-stream-p (second streams))))
+       (dolist (buffer buffers)
+         (is (member buffer sb-impl::*available-buffers*) "a buffer not given back"))
+       (dolist (slot (sb-kernel:dd-slots (sb-kernel:find-defstruct-description 'sb-impl::fd-stream)))
+         (let ((theirs (funcall (sb-kernel:dsd-accessor-name slot) (first streams)))
+               (ours (funcall (sb-kernel:dsd-accessor-name slot) (second streams))))
+           (if (eq (sb-kernel:dsd-name slot) 'sb-impl::instead)
+               (is (= (length theirs) (length ours)) "unread characters")
+               (is (equalp theirs ours) "~A: ~S closed by CLOSE, ~S by ours" (sb-kernel:dsd-name slot) theirs ours))))
+       (is (eq t (hrt::close-connection-fd-stream (second streams))) "closed again, nothing done")))))
+
 (test limits.refusals-carry-date-and-server-headers
   (with-readiness-server (server)
     (with-connection (socket server)

@@ -12,6 +12,9 @@
 ;;;; connection-fd-stream.copied-as-make-fd-stream-makes-it compares every
 ;;;; slot of a copy with MAKE-FD-STREAM's stream on the same descriptor, so
 ;;;; that an SBCL whose fd-stream gains a slot of per-stream state fails it.
+;;;; A connection's stream is closed as CLOSE closes it, less what only
+;;;; streams with a finalizer need (CLOSE-CONNECTION-FD-STREAM); the test
+;;;; connection-fd-stream.closed-as-close-closes-it compares every slot.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -63,3 +66,28 @@ closes every connection itself."
                 (sb-impl::fd-stream-ibuf stream) (sb-impl::get-buffer)
                 (sb-impl::fd-stream-obuf stream) (sb-impl::get-buffer))
           stream))))
+
+(defun close-connection-fd-stream (stream)
+  "Close STREAM, made by MAKE-CONNECTION-FD-STREAM, as CLOSE with :ABORT T
+closes an fd-stream -- its input dropped, its descriptor closed, its
+routines a closed stream's, its buffers back in SBCL's pool -- but without
+CLOSE's generic dispatch and its call to CANCEL-FINALIZATION, which
+searches SBCL's finalizers under a lock of the whole process for the one
+these streams never have: CLOSE took 5% of ours' user time a connection
+that carries one request, this 3% (bench/profiles/
+2026-11-29-reply-objects-and-closing.txt).  A stream left waiting to write
+through serve-event (a handler, queued output) is closed by CLOSE itself."
+  (cond ((not (open-stream-p stream)))
+        ((or (sb-impl::fd-stream-handler stream) (sb-impl::fd-stream-output-queue stream))
+         (close stream :abort t))
+        (t
+         (setf (sb-impl::ansi-stream-in-index stream) sb-impl::+ansi-stream-in-buffer-length+
+               (sb-impl::ansi-stream-cin-buffer stream) nil
+               (sb-impl::ansi-stream-in-buffer stream) nil)
+         (sb-sys:without-interrupts
+           (let ((fd (sb-impl::fd-stream-fd stream)))
+             (when (and (/= fd -1) (compare-and-swap (sb-impl::fd-stream-fd stream) fd -1))
+               (sb-unix:unix-close fd)))
+           (sb-impl::set-closed-flame stream))
+         (sb-impl::release-fd-stream-buffers stream)))
+  t)

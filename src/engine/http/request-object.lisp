@@ -260,7 +260,7 @@ at every call."
 Hunchentoot's initializer when its class allows and PLAIN-HEADER-METHODS-P
 says that (SETF HUNCHENTOOT:HEADER-OUT), which that initializer calls, has
 only Hunchentoot's methods, whose effective method took 2% of a 0 ms
-request's user time (bench/profiles/2026-11-29-reply-objects.txt)."
+request's user time (bench/profiles/2026-11-29-reply-objects-and-closing.txt)."
   (let ((plain-reply (and plain-header-methods-p (object-constructors-plain-reply constructors))))
     (or (and plain-reply (funcall plain-reply))
         (funcall (object-constructors-reply constructors)))))

@@ -30,7 +30,7 @@ client is gone already."
     (when (and stream (not (eq stream fd-stream)))
       (ignore-errors (close stream :abort t))
       (forget-tls-errors))
-    (ignore-errors (close fd-stream :abort t))))
+    (ignore-errors (close-connection-fd-stream fd-stream))))
 
 (defun park-outbox-or-close (set connection)
   "Send what waits for CONNECTION's websocket, event stream or HTTP/2
