@@ -284,7 +284,7 @@ closure, a session or a queue, and would see a reused one change."
     (flet ((make-objects ()
              (funcall plain-request acceptor "127.0.0.1" 8080 "127.0.0.1" 40000 headers nil
                       :get "/yo" :http/1.1 "/yo" nil '() '())
-             (hrt::make-reply constructors)))
+             (hrt::make-reply constructors t)))
       (make-objects)
       (let ((before (sb-ext:get-bytes-consed)))
         (dotimes (index count)
