@@ -57,6 +57,7 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
          (set (engine-readiness-set engine))
          (server-name (acceptor-server-name acceptor)))
     (%make-serving :engine engine :worker worker :set set :budget (readiness-set-memory-budget set)
+                   :reply-batch (make-reply-batch set)
                    :acceptor acceptor
                    :buffer (make-array (head-buffer-bytes acceptor) :element-type '(unsigned-byte 8))
                    :constructors (engine-object-constructors engine)
@@ -79,7 +80,9 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
                do (cond ((= token +timer-token+) (run-timers-serving-completions engine set serving))
                         ((= token +task-token+) (run-worker-task serving (take-woken-task set)))
                         (t (serve-ready-token serving token)))
-                  (run-queued-tasks set serving))
+                  (run-queued-tasks set serving)
+                  (send-reply-batch (serving-reply-batch serving)))
+      (send-reply-batch (serving-reply-batch serving))
       (free-reply-coders (shiftf (serving-coders serving) nil)))))
 
 (defun run-timers-serving-completions (engine set serving)

@@ -49,6 +49,9 @@
   (awaiting :input)
   ;; The OUTGOING rest of a reply the socket did not take whole, or NIL.
   (outgoing nil)
+  ;; The REPLY-BATCH its last reply waits in to be sent with the others of
+  ;; a worker's batch, or NIL (reply-batch.lisp).
+  (batch nil)
   ;; The ARRIVING-BODY of a request whose body the engine is reading, or NIL.
   (arriving-body nil)
   ;; The TLS stream whose handshake the engine is taking, before the

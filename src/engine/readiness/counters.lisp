@@ -60,6 +60,9 @@ keeps it from run to run; each run's set counts into it."
   ;; Connections closed because their TLS handshake was not done within
   ;; the header timeout.
   (handshake-timeouts 0 :type word)
+  ;; Batches of replies sent by another worker, their owner held up
+  ;; (reply-batch.lisp).
+  (batches-sent-in-place 0 :type word)
   ;; Per status of *HEAD-REFUSALS*, the heads refused with it.
   (refused-heads (make-array (length *head-refusals*) :element-type 'word :initial-element 0)
    :type (simple-array word (*)) :read-only t)

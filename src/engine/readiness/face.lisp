@@ -56,7 +56,11 @@
 ;;;;                      CONNECTION-ARRIVING-BODY (connection.lisp).
 ;;;;   Reply              SEND-REPLY-WITHOUT-WAITING, WRITE-REPLY-BODY
 ;;;;                      (outgoing.lisp); SEND-REST-OF-REPLY,
-;;;;                      FOLLOW-REPLY-REST-WITH.
+;;;;                      FOLLOW-REPLY-REST-WITH.  BATCH-REPLY in its
+;;;;                      place keeps a whole reply in the worker's batch,
+;;;;                      sent with the others before the worker waits
+;;;;                      again; a turn that goes on to another request
+;;;;                      sends it first, SEND-BATCHED-REPLY (reply-batch.lisp).
 ;;;;   Note               NOTE-HEAD-OCTETS, NOTE-INPUT-READ-BY-STREAM,
 ;;;;                      NOTE-ANSWERED-REQUEST; MEMORY-BUDGET-EXCEEDED-P
 ;;;;                      (memory-budget.lisp) before new work.
@@ -111,6 +115,14 @@ is: :WEBSOCKET, :HTTP2, :DEFERRED (its reply waits to be completed),
 outcomes above), the caller having held the connection in SET and let go
 of it in the pool; BUFFER is the worker's, whose first octets a parked
 connection keeps."
+  (when (connection-batch connection)
+    ;; Its last reply waits in its worker's batch (reply-batch.lisp).
+    (when (or (eq outcome :close) (and (eq outcome :park) (eql detail 0)))
+      (return-from end-turn (end-turn-on-batched-reply connection outcome)))
+    (if (send-batched-reply connection)
+        (when (and (eq outcome :park) (follow-reply-rest-with connection :keep-alive))
+          (setf outcome :send-rest))
+        (setf outcome :close)))
   (ecase outcome
     (:park (park-or-end set connection buffer detail))
     (:read-body (park-until-body-arrives set connection))

@@ -41,6 +41,7 @@ none runs) holds now, and what COUNTERS counted ever."
            :write-timeouts (connection-counters-write-timeouts counters)
            :body-timeout-replies (connection-counters-body-timeouts counters)
            :handshake-timeouts (connection-counters-handshake-timeouts counters)
+           :reply-batches-sent-in-place (connection-counters-batches-sent-in-place counters)
            :open-http2-connections (if set (readiness-set-http2-count set) 0)
            :http2-connections (connection-counters-http2-connections counters)
            :http2-streams (connection-counters-http2-streams counters)

@@ -90,6 +90,7 @@ began)."
              (send-continue-reply stream))
            (setf (serving-reply-connection serving)
                  (and (not chunked-p) (plain-connection-p connection) connection)
+                 (serving-batching-p serving) (not (worker-last-request-long-p worker))
                  (serving-reply-sent-p serving) nil
                  (serving-upgrade serving) nil
                  (serving-deferred serving) nil
@@ -113,7 +114,8 @@ began)."
                                    ((and (serving-event-stream serving) (eql status hunchentoot:+http-ok+))
                                     :event-stream)
                                    (t (end-reply serving stream status)))))))
-      (setf (serving-reply-connection serving) nil)
+      (setf (serving-reply-connection serving) nil
+            (serving-batching-p serving) nil)
       ;; Also when the request failed: a soft STOP waits for it.
       (setf microseconds (note-request-finished taskmaster worker :answered (and outcome t))))
     (unless (eq outcome :defer)
@@ -287,7 +289,10 @@ connection has to wait or end: the outcome of the turn, never :NEXT."
           (:next
            (setf end detail)
            (when (plusp end)
-             (note-head-octets connection))
+             (note-head-octets connection)
+             ;; Before the next handler, which may write to the stream.
+             (unless (send-batched-reply connection)
+               (return :close)))
            (when (follow-reply-rest-with connection :keep-alive)
              (return (values :send-rest end)))
            (when (zerop end)
