@@ -55,8 +55,11 @@ lets go of it."
 (defun let-go-of-connection (worker)
   "WORKER stops holding its connection, before it parks, closes or hands it
 over.  The connection it held, or NIL when it held none."
-  (bt:with-lock-held ((worker-connection-lock worker))
-    (shiftf (worker-connection worker) nil)))
+  ;; Only WORKER's thread writes the slot: when it is NIL, no lock is
+  ;; needed to tell, and SERVE-CONNECTION asks again after every turn.
+  (when (worker-connection worker)
+    (bt:with-lock-held ((worker-connection-lock worker))
+      (shiftf (worker-connection worker) nil))))
 
 (defun call-with-held-connection (worker function)
   "Call FUNCTION on the connection WORKER holds, if any, while WORKER cannot

@@ -27,6 +27,15 @@ ABANDON-ACCEPTOR uses) cannot leave a pool state change half done."
 does not do by itself."
   `(sb-thread:barrier (:memory)))
 
+(defmacro write-barrier ()
+  "Order this thread's earlier writes before its later writes, so that a
+thread that sees the later sees the earlier (with READ-BARRIER)."
+  `(sb-thread:barrier (:write)))
+
+(defmacro read-barrier ()
+  "Order this thread's earlier reads before its later reads."
+  `(sb-thread:barrier (:read)))
+
 (defmacro atomic-increment (place)
   "Add one to PLACE, a structure slot of type WORD; returns the old value."
   `(sb-ext:atomic-incf ,place))
