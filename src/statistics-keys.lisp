@@ -69,7 +69,7 @@
     (:handshake-timeouts :counter "handshake_timeouts_total"
      "Connections closed because their TLS handshake was not done within the header timeout.")
     (:reply-batches-sent-in-place :counter "reply_batches_sent_in_place_total"
-     "Batches of quick replies sent together by another worker, their own held up in a handler.")
+     "Reply batches sent by another worker, their owner held up in a handler.")
     (:open-http2-connections :gauge "open_http2_connections" "Connections that speak HTTP/2.")
     (:http2-connections :counter "http2_connections_total"
      "Connections that began to speak HTTP/2 (h2 or h2c).")

@@ -26,7 +26,7 @@
 ;;;;
 ;;;; Who writes what.  The owner alone adds a reply (its octets and entry,
 ;;;; then COUNT after a write barrier) and sets an entry's THEN as its
-;;;; connection's turn ends, without a lock: two locks a request were 2% of
+;;;; connection's turn ends, without a lock: two locks a request were 3% of
 ;;;; its user time.  The replies whose turns have ended are sent under LOCK,
 ;;;; by the owner or by the call in its place; only the owner empties the
 ;;;; batch, under LOCK, since it may be adding to it meanwhile.  An entry
