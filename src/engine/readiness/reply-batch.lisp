@@ -14,10 +14,10 @@
 ;;;; it (connection.lisp, Ownership).
 ;;;;
 ;;;; What may wait so: a kept-alive or closing connection's last reply of
-;;;; its turn (a reply followed by another request of the same connection
-;;;; goes first, SEND-BATCHED-REPLY: the next handler may write to the
-;;;; stream itself), of a worker whose last request was quick (under
-;;;; +LONG-REQUEST-SECONDS+).  A handler that blocks after quick ones would
+;;;; its turn, a handler's or a deferred reply's (a reply followed by
+;;;; another request of the same connection goes first, SEND-BATCHED-REPLY:
+;;;; the next handler may write to the stream itself), of a worker whose
+;;;; last request was quick (under +LONG-REQUEST-SECONDS+).  A handler that blocks after quick ones would
 ;;;; still hold the replies before it: the first reply of a batch arms a
 ;;;; call within +TASK-NUDGE-MILLISECONDS+ (CALL-SOON), in whichever worker
 ;;;; its timer wakes, which sends the batch in its owner's place when the
@@ -37,11 +37,14 @@
 (in-package #:hunchentoot-recycling-taskmaster)
 
 (defconstant +reply-batch-octets+ 32768
-  "The octets of replies a worker's batch holds; a reply that does not fit
-is sent at once.")
+  "The octets of replies a worker's batch holds: a reply that does not fit
+sends those before it, one larger than this is sent at once.")
 
-(defconstant +reply-batch-replies+ 32
-  "The replies a worker's batch holds at most.")
+(defconstant +reply-batch-replies+ 16
+  "The replies a worker's batch holds, as many as one wait reports
+(+READY-TOKENS-PER-WAIT+); one more sends those before it.  A timer
+completing a thousand deferred replies so sends them 16 at a time, its
+clients answering the first while the worker makes the next.")
 
 (defstruct (reply-batch (:constructor %make-reply-batch (set)))
   "The whole replies a worker holds until its batch of ready connections
@@ -89,9 +92,12 @@ has not sent them by then, unless a call for that is due already."
 (defun batch-reply (batch connection octets end)
   "Keep the reply whose octets are OCTETS below END, a buffer the caller
 reuses, for CONNECTION, held by the caller, in BATCH, the caller's, to be
-sent with the others of the batch.  False, nothing kept, when BATCH has no
-room for it."
+sent with the others of the batch, once those are sent when it has no
+room left.  False, nothing kept, when the reply alone is larger."
   (declare (type octets octets) (type fixnum end))
+  (unless (and (< (reply-batch-count batch) +reply-batch-replies+)
+               (<= (+ (reply-batch-end batch) end) +reply-batch-octets+))
+    (send-reply-batch batch))
   (let ((index (reply-batch-count batch))
         (start (reply-batch-end batch)))
     (when (and (< index +reply-batch-replies+)

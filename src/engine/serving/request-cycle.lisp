@@ -266,6 +266,14 @@ connection has to wait or end: the outcome of the turn, never :NEXT."
       (:would-block (return-from answer-arrived-requests (values :send-rest end)))
       (:close (return-from answer-arrived-requests :close)))
     (loop
+      (when (plusp end)
+        ;; A reply waiting in the worker's batch goes before anything of
+        ;; the next request, whose handler, or 100 Continue, may write to
+        ;; the stream itself.
+        (unless (send-batched-reply connection)
+          (return :close))
+        (when (follow-reply-rest-with connection :keep-alive)
+          (return (values :send-rest end))))
       (multiple-value-bind (outcome detail)
           (if (connection-arriving-body connection)
               (answer-arrived-body serving connection)
@@ -289,10 +297,7 @@ connection has to wait or end: the outcome of the turn, never :NEXT."
           (:next
            (setf end detail)
            (when (plusp end)
-             (note-head-octets connection)
-             ;; Before the next handler, which may write to the stream.
-             (unless (send-batched-reply connection)
-               (return :close)))
+             (note-head-octets connection))
            (when (follow-reply-rest-with connection :keep-alive)
              (return (values :send-rest end)))
            (when (zerop end)
