@@ -116,7 +116,9 @@ outcomes above), the caller having held the connection in SET and let go
 of it in the pool; BUFFER is the worker's, whose first octets a parked
 connection keeps."
   (when (connection-batch connection)
-    ;; Its last reply waits in its worker's batch (reply-batch.lisp).
+    ;; Its last reply waits in its worker's batch (reply-batch.lisp).  The
+    ;; request cycle ends a turn :PARK 0 or :CLOSE after it; any other
+    ;; outcome sends it first, so that it never goes after what follows.
     (when (or (eq outcome :close) (and (eq outcome :park) (eql detail 0)))
       (return-from end-turn (end-turn-on-batched-reply connection outcome)))
     (if (send-batched-reply connection)

@@ -49,9 +49,9 @@
   ;; REPLY-CONNECTION's socket itself: the connection's stream then holds no
   ;; output to finish.
   (reply-sent-p nil)
-  ;; The worker's REPLY-BATCH, and whether the current request's reply may
-  ;; wait in it: a request on a plain connection answered by a handler
-  ;; after a quick request of the worker's (reply-batch.lisp).
+  ;; The worker's REPLY-BATCH, and whether the reply being sent may wait in
+  ;; it: a handler's or a completed deferred reply on a plain connection,
+  ;; the worker's last request quick (reply-batch.lisp).
   (reply-batch nil :read-only t)
   (batching-p nil)
   ;; The engine's PLAIN-STREAMS-RESET-P of this run.
