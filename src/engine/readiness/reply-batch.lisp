@@ -193,7 +193,7 @@ in its batch, has gone: it is left to the batch's sender."
 (defun send-reply-batch-in-place (batch)
   "The call armed by BATCH's first reply: send the replies of the batch it
 was armed for in its owner's place if they still wait, its owner held up;
-armed again while replies wait."
+armed again while a reply waits (a new one arms it itself)."
   (bt:with-lock-held ((reply-batch-lock batch))
     (let ((armed (shiftf (reply-batch-armed-generation batch) nil)))
       ;; A THEN is set while its reply waits (SEND-BATCHED-OCTETS clears it).
@@ -202,5 +202,5 @@ armed again while replies wait."
         (atomic-increment (connection-counters-batches-sent-in-place
                            (readiness-set-counters (reply-batch-set batch))))
         (send-ended-turns batch))
-      (when (plusp (reply-batch-count batch))
+      (when (some #'identity (reply-batch-connections batch))
         (arm-send-in-place batch)))))
