@@ -89,19 +89,22 @@ has not sent them by then, unless a call for that is due already."
   (when (compare-and-swap (reply-batch-armed-generation batch) nil (reply-batch-generation batch))
     (call-soon (reply-batch-set batch) (reply-batch-send-in-place batch))))
 
+(defun batch-room-p (batch octets)
+  "True when BATCH has room for one more reply of OCTETS octets."
+  (and (< (reply-batch-count batch) +reply-batch-replies+)
+       (<= (+ (reply-batch-end batch) octets) +reply-batch-octets+)))
+
 (defun batch-reply (batch connection octets end)
   "Keep the reply whose octets are OCTETS below END, a buffer the caller
 reuses, for CONNECTION, held by the caller, in BATCH, the caller's, to be
 sent with the others of the batch, once those are sent when it has no
 room left.  False, nothing kept, when the reply alone is larger."
   (declare (type octets octets) (type fixnum end))
-  (unless (and (< (reply-batch-count batch) +reply-batch-replies+)
-               (<= (+ (reply-batch-end batch) end) +reply-batch-octets+))
+  (unless (batch-room-p batch end)
     (send-reply-batch batch))
-  (let ((index (reply-batch-count batch))
-        (start (reply-batch-end batch)))
-    (when (and (< index +reply-batch-replies+)
-               (<= (+ start end) +reply-batch-octets+))
+  (when (batch-room-p batch end)
+    (let ((index (reply-batch-count batch))
+          (start (reply-batch-end batch)))
       (replace (reply-batch-octets batch) octets :start1 start :end2 end)
       (setf (svref (reply-batch-connections batch) index) connection
             (aref (reply-batch-starts batch) index) start
@@ -132,11 +135,11 @@ connection's OUTGOING); :FAILED when the client has gone."
           (connection-batch connection) nil)
     (cond ((eql sent (- end start)) :sent)
           ((eq sent :error) :failed)
-          ((keep-outgoing (reply-batch-set batch) connection
-                          (list (make-octets-piece octets (+ start (if (integerp sent) sent 0)) end))
-                          nil octets)
-           :rest)
-          (t :failed))))
+          (t ;; Octets only: KEEP-OUTGOING needs no descriptor, and keeps them.
+             (keep-outgoing (reply-batch-set batch) connection
+                            (list (make-octets-piece octets (+ start (if (integerp sent) sent 0)) end))
+                            nil octets)
+             :rest))))
 
 (defun send-batched-reply (connection)
   "Send now CONNECTION's reply that waits in its batch, if one does: before

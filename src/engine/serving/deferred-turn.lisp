@@ -16,7 +16,6 @@ on CONNECTION, and count it as answered since DEFERRED-AT.  What follows:
     (with-request-bindings ()
       (setf (current-connection-stream) stream
             (serving-reply-connection serving) (and (plain-connection-p connection) connection)
-            (serving-batching-p serving) (not (worker-last-request-long-p (serving-worker serving)))
             (serving-reply-sent-p serving) nil
             (serving-upgrade serving) nil)
       (unwind-protect
@@ -25,8 +24,7 @@ on CONNECTION, and count it as answered since DEFERRED-AT.  What follows:
                  (hunchentoot:*session* session))
              (send-completed-reply request status headers body)
              (setf outcome (end-reply serving stream (hunchentoot:return-code reply))))
-        (setf (serving-reply-connection serving) nil
-              (serving-batching-p serving) nil)))
+        (setf (serving-reply-connection serving) nil)))
     (note-answered-request (serving-set serving) connection (serving-counter-stripe serving)
                            (hunchentoot:return-code reply) (- (monotonic-microseconds) deferred-at))
     outcome))

@@ -171,8 +171,8 @@ or a list of pieces whose file pieces are read from FILE-FD, which stays
 the caller's.  On a plain connection the reply is sent without waiting and
 what the socket does not take is left to the engine, which sends it when
 the client reads; a string, or octets up to +COALESCED-BODY-BYTES+, go in
-the head's buffer, and such a reply may wait in the worker's batch
-(SERVING-BATCHING-P).  Elsewhere it is written to the current connection
+the head's buffer, and such a reply waits in the worker's batch when the
+worker's last request was quick (reply-batch.lisp).  Elsewhere it is written to the current connection
 stream.  True when the body went whole or will; false when the client has
 gone or the file ended early."
   (let ((head (build-reply-head request return-code content-length))
@@ -190,7 +190,7 @@ gone or the file ended early."
             (octets (when (<= (length body) +coalesced-body-bytes+)
                       (push-octets body head)
                       (setf body nil))))
-          (or (and (null body) (serving-batching-p *serving*)
+          (or (and (null body) (not (worker-last-request-long-p (serving-worker *serving*)))
                    (batch-reply (serving-reply-batch *serving*) connection
                                 (reply-head-octets head) (reply-head-end head)))
               (send-reply-without-waiting (serving-set *serving*) connection

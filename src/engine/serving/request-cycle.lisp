@@ -90,7 +90,6 @@ began)."
              (send-continue-reply stream))
            (setf (serving-reply-connection serving)
                  (and (not chunked-p) (plain-connection-p connection) connection)
-                 (serving-batching-p serving) (not (worker-last-request-long-p worker))
                  (serving-reply-sent-p serving) nil
                  (serving-upgrade serving) nil
                  (serving-deferred serving) nil
@@ -114,8 +113,7 @@ began)."
                                    ((and (serving-event-stream serving) (eql status hunchentoot:+http-ok+))
                                     :event-stream)
                                    (t (end-reply serving stream status)))))))
-      (setf (serving-reply-connection serving) nil
-            (serving-batching-p serving) nil)
+      (setf (serving-reply-connection serving) nil)
       ;; Also when the request failed: a soft STOP waits for it.
       (setf microseconds (note-request-finished taskmaster worker :answered (and outcome t))))
     (unless (eq outcome :defer)

@@ -49,11 +49,8 @@
   ;; REPLY-CONNECTION's socket itself: the connection's stream then holds no
   ;; output to finish.
   (reply-sent-p nil)
-  ;; The worker's REPLY-BATCH, and whether the reply being sent may wait in
-  ;; it: a handler's or a completed deferred reply on a plain connection,
-  ;; the worker's last request quick (reply-batch.lisp).
+  ;; The worker's REPLY-BATCH (reply-batch.lisp).
   (reply-batch nil :read-only t)
-  (batching-p nil)
   ;; The engine's PLAIN-STREAMS-RESET-P of this run.
   (plain-streams-reset-p t :read-only t)
   ;; DEFAULT-ACCESS-LOG-P's last answer for this worker's acceptor, and
