@@ -11,11 +11,16 @@
 (defvar *batch-deferred* '()
   "The DEFERRED-REPLY of each /test/batch/defer request, by its key.")
 
+(defvar *batch-deferred-lock* (bt:make-lock "batch deferred")
+  "Held to add to *BATCH-DEFERRED*: two handlers add at once.")
+
 (defvar *batch-release* nil
   "Signalled to let the /test/batch/block handler return.")
 
 (ht:define-easy-handler (test-batch-defer :uri "/test/batch/defer") (key)
-  (push (cons key (defer-reply)) *batch-deferred*)
+  (let ((deferred (defer-reply)))
+    (bt:with-lock-held (*batch-deferred-lock*)
+      (push (cons key deferred) *batch-deferred*)))
   nil)
 
 (ht:define-easy-handler (test-batch-quick :uri "/test/batch/quick") (key)
@@ -31,7 +36,8 @@
   (format nil "~D ~A" n (make-string 15000 :initial-element (code-char (+ 97 (mod n 26))))))
 
 (defun batch-deferred (key)
-  (cdr (assoc key *batch-deferred* :test #'equal)))
+  (bt:with-lock-held (*batch-deferred-lock*)
+    (cdr (assoc key *batch-deferred* :test #'equal))))
 
 (test reply-batch.each-reply-reaches-its-own-client
   ;; 64 clients, each asking at once for its own number, kept alive over 20
