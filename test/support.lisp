@@ -195,15 +195,27 @@ ending in a slash."
 
 ;;; The runner.
 
+(defun one-line (text)
+  "TEXT with each run of spaces and line breaks made one space, trimmed."
+  (with-output-to-string (out)
+    (let ((gap nil) (begun nil))
+      (loop for char across text
+            do (if (member char '(#\Space #\Newline #\Tab))
+                   (setf gap begun)
+                   (progn (when gap (write-char #\Space out))
+                          (write-char char out)
+                          (setf gap nil begun t)))))))
+
 (defun failure-lines (results)
-  "One line for each failed check in RESULTS: the test's name and the first
-line of the reason, shortened to 300 characters."
+  "One line for each failed check in RESULTS: the test's name and its
+reason on one line (FiveAM's own reasons span several), shortened to 300
+characters."
   (loop for result in results
         unless (typep result 'fiveam::test-passed)
-          collect (let ((reason (or (ignore-errors (princ-to-string (fiveam::reason result))) "")))
+          collect (let ((reason (one-line (or (ignore-errors (princ-to-string (fiveam::reason result))) ""))))
                     (format nil "~A: ~A"
                             (ignore-errors (fiveam::name (fiveam::test-case result)))
-                            (subseq reason 0 (min 300 (or (position #\Newline reason) (length reason))))))))
+                            (subseq reason 0 (min 300 (length reason)))))))
 
 (defun run-tests (&optional (suite-name "ALL") label)
   "Run the suite named SUITE-NAME (default every test); print one closing line
