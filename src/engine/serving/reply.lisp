@@ -172,9 +172,9 @@ the caller's.  On a plain connection the reply is sent without waiting and
 what the socket does not take is left to the engine, which sends it when
 the client reads; a string, or octets up to +COALESCED-BODY-BYTES+, go in
 the head's buffer, and such a reply waits in the worker's batch when the
-worker's last request was quick (reply-batch.lisp).  Elsewhere it is written to the current connection
-stream.  True when the body went whole or will; false when the client has
-gone or the file ended early."
+worker's last request was quick (reply-batch.lisp).  Elsewhere it is
+written to the current connection stream.  True when the body went whole
+or will; false when the client has gone or the file ended early."
   (let ((head (build-reply-head request return-code content-length))
         (connection (engine-reply-connection)))
     (if connection
