@@ -6,18 +6,16 @@
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defun cookie-field (header start end)
+(defun cookie-field (header start end equals)
   "The pair (name . value) of the cookie field of HEADER from START below
-END: split at its first =, the name trimmed of spaces."
-  (declare (type fixnum start end))
+END: split at its first =, at EQUALS (END when it has none), the name
+trimmed of spaces."
+  (declare (type fixnum start end equals))
   ;; Loops over the string's own kind: by POSITION with a :TEST, generic,
   ;; this was three fifths of reading a returning user's Cookie header
   ;; (bench/profiles/2026-11-29-same-moment.txt).
   (with-string-kind (header)
-    (let* ((equals (loop for index from start below end
-                         when (char= (char header index) #\=) return index
-                         finally (return end)))
-           (name-start (loop for index from start below equals
+    (let* ((name-start (loop for index from start below equals
                              unless (char= (char header index) #\Space) return index
                              finally (return equals)))
            (name-end (loop for index from (1- equals) downto name-start
@@ -38,10 +36,14 @@ before another (which it answers with an error, 400)."
   (let ((fields '())
         (field-start 0)
         (field-end nil)
+        (equals nil)
         (empty-field-p nil)
         (end (length header)))
     ;; FIELD-END: past the field's last character that is not a blank, or
-    ;; NIL while it has none.  EMPTY-FIELD-P: an empty field was passed.
+    ;; NIL while it has none.  EQUALS: the field's first =, or NIL, found
+    ;; here so that COOKIE-FIELD need not look again (bench/profiles/
+    ;; 2026-12-02-session-at-the-same-moment.txt).  EMPTY-FIELD-P: an empty
+    ;; field was passed.
     (with-string-kind (header)
       (dotimes (index end)
         (let ((char (char header index)))
@@ -50,10 +52,11 @@ before another (which it answers with an error, 400)."
              (return-from cookie-header-fields :irregular))
             ((#\; #\,)
              (if field-end
-                 (push (cookie-field header field-start field-end) fields)
+                 (push (cookie-field header field-start field-end (or equals field-end)) fields)
                  (setf empty-field-p t))
              (setf field-start (1+ index)
-                   field-end nil))
+                   field-end nil
+                   equals nil))
             ((#\Space #\Tab)
              ;; Blanks after a separator belong to it.
              (when (and (= index field-start) (plusp index))
@@ -61,7 +64,9 @@ before another (which it answers with an error, 400)."
             (t
              (when empty-field-p
                (return-from cookie-header-fields :irregular))
+             (when (and (char= char #\=) (null equals))
+               (setf equals index))
              (setf field-end (1+ index)))))))
     (when (< field-start end)
-      (push (cookie-field header field-start end) fields))
+      (push (cookie-field header field-start end (or equals end)) fields))
     (nreverse fields)))

@@ -32,24 +32,27 @@ NIL when it cannot be one: the id at most 40 ASCII digits, the string (an
 MD5 in hex, as Hunchentoot makes it) at most 128 hex digits.  So a forged
 cookie is told at once, and no client's bytes reach a session store."
   (when (stringp identifier)
-    (let ((colon nil)
-          (end (length identifier)))
+    (let ((end (length identifier)))
       (with-string-kind (identifier)
-        (dotimes (index end)
-          (let ((char (char identifier index)))
-            (cond ((char= char #\:)
-                   (if colon (return-from parse-session-identifier nil) (setf colon index)))
-                  ((not (or (char<= #\0 char #\9)
-                            (and colon (or (char<= #\a char #\f) (char<= #\A char #\F)))))
-                   (return-from parse-session-identifier nil))))))
-      (when (and colon (<= 1 colon 40) (<= 1 (- end colon 1) 128))
-        (values (parse-decimal-digits identifier colon)
-                (subseq identifier (1+ colon)))))))
+        ;; The id's digits end at the colon, within 41 characters; lengths
+        ;; are checked before the string's digits are looked at.
+        (let ((colon (loop for index from 0 below (min end 41)
+                           for char = (char identifier index)
+                           unless (char<= #\0 char #\9)
+                             return (and (char= char #\:) index))))
+          (when (and colon (<= 1 colon) (<= 1 (- end colon 1) 128)
+                     (loop for index from (1+ colon) below end
+                           always (let ((char (char identifier index)))
+                                    (or (char<= #\0 char #\9) (char<= #\a char #\f) (char<= #\A char #\F)))))
+            (values (parse-decimal-digits identifier colon)
+                    (subseq identifier (1+ colon)))))))))
 
 (defun url-decoded-cookie (cookie)
   "COOKIE URL-decoded as Hunchentoot's SESSION-VERIFY decodes it: itself
 when it is ASCII without % or +, which decoding leaves as they are."
   (if (with-string-kind (cookie)
-        (every (lambda (char) (and (< (char-code char) 128) (char/= char #\%) (char/= char #\+))) cookie))
+        (loop for index from 0 below (length cookie)
+              always (let ((char (char cookie index)))
+                       (and (< (char-code char) 128) (char/= char #\%) (char/= char #\+)))))
       cookie
       (hunchentoot:url-decode cookie)))
