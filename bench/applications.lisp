@@ -21,6 +21,7 @@ count, and the count as text."
   (princ-to-string (setf (ht:session-value 'visits) (1+ (or (ht:session-value 'visits) 0)))))
 
 (ht:define-easy-handler (application-counter :uri "/app/counter") ()
+  (count-request)
   (setf (ht:content-type*) "text/plain")
   (count-in-session))
 

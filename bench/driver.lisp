@@ -40,9 +40,12 @@ QUICK keeps 100 connections only."
         (format nil "~Dms ~:[keep-alive~;close~] c~D" delay-ms close connections))))
 
 (defun workload-path (workload)
-  "The path wrk asks for: /yo, or the static file under /static/."
+  "The path wrk asks for: the workload's :PATH, the static file under
+/static/, or /yo."
   (let ((file (getf workload :file)))
-    (if file (format nil "/static/~A" file) "/yo")))
+    (cond ((getf workload :path))
+          (file (format nil "/static/~A" file))
+          (t "/yo"))))
 
 (defun make-static-folder ()
   "A new folder holding *STATIC-FILES*: an HTML page and a binary file, the
@@ -319,9 +322,10 @@ and the most threads seen."
 
 (defun wrk-command (port workload seconds &key (scheme "http"))
   "The wrk command loading SCHEME://127.0.0.1:PORT with WORKLOAD for SECONDS."
-  (destructuring-bind (&key close connections &allow-other-keys) workload
+  (destructuring-bind (&key close connections cookie &allow-other-keys) workload
     (append (list "wrk" "-t2" (format nil "-c~D" connections) (format nil "-d~Ds" seconds) "--latency")
             (when close (list "-H" "Connection: close"))
+            (when cookie (list "-H" (format nil "Cookie: ~A" cookie)))
             (list (format nil "~A://127.0.0.1:~D~A" scheme port (workload-path workload))))))
 
 (defun wrk (port workload seconds &key (scheme "http"))

@@ -162,10 +162,11 @@ minute, and a round's two servers ran seconds apart."
   (format nil "~A~:[~; (~A-~A)~]" (ratio-text (median-ratio ratios)) (rest ratios)
           (ratio-text (reduce #'min ratios)) (ratio-text (reduce #'max ratios))))
 
-(defun per-core-summary (cells measured servers rounds seconds)
+(defun per-core-summary (cells measured same-moment servers rounds seconds)
   "The markdown report of CELLS ((cell name, server name) -> median figures)
 and, round by round, ours' fractions of the others (PAIRED-RATIOS of
-MEASURED)."
+MEASURED) and ours' session cell over its plain handler at the same moment
+(SAME-MOMENT, each round's figures of MEASURE-SESSION-AT-SAME-MOMENT)."
   (with-output-to-string (out)
     (format out "Per core: each server pinned to processor ~A alone (nginx and Woo with one worker, ours with ~
                  its pool), wrk -t1 pinned to processor ~A; the median of ~D round~:P of ~D s a cell.  ~
@@ -206,6 +207,20 @@ MEASURED)."
         (format out "~%Ours' session cell as a fraction of ours' 0 ms keep-alive c100: ~A (target ~A: ~:[below~;ok~]).~%"
                 (ratios-text session) *per-core-session-target*
                 (>= (median-ratio session) *per-core-session-target*)))
+      (let ((together (remove nil (mapcar #'same-moment-ratio same-moment))))
+        (when together
+          (format out "~%The same two at the same moment (two processes of ours on processor ~A, each loaded by a ~
+                       wrk of its own on processor ~A, started together), requests per processor second, ~
+                       session over plain: ~A (target ~A: ~:[below~;ok~]); each round's plain / session ~
+                       processor time a request: ~{~A~^, ~} us.~%"
+                  *per-core-server-processors* *per-core-client-processors*
+                  (ratios-text together) *per-core-session-target*
+                  (>= (median-ratio together) *per-core-session-target*)
+                  (mapcar (lambda (figures)
+                            (if (some (lambda (f) (getf f :failed)) figures)
+                                "failed"
+                                (format nil "~{~,1F~^ / ~}" (mapcar (lambda (f) (getf f :server-us)) figures))))
+                          same-moment))))
       (when consed
         (format out "~%Bytes consed a kept-alive request by ours (0 ms, c100, the whole process): ~D, of which ~D ~
                      are Hunchentoot's request and reply objects: ~D beyond them.~%"
@@ -222,7 +237,8 @@ request of every cell with a 2xx."
          (woo-peer (find "woo" (available-peers) :key (lambda (peer) (getf peer :name)) :test #'string=))
          (servers (per-core-servers (and woo-peer (build-peer-core woo-peer (namestring work)))))
          (measured (make-hash-table :test #'equal))
-         (cells (make-hash-table :test #'equal)))
+         (cells (make-hash-table :test #'equal))
+         (same-moment '()))
     (unless woo-peer
       (announce-missing-peers))
     (unwind-protect
@@ -233,10 +249,18 @@ request of every cell with a 2xx."
                         (format t "~&Per core, round ~D of ~D: ~A, ~A~%" round rounds (getf cell :name) (getf server :name))
                         (finish-output)
                         (push (measure-per-core-cell server cell :seconds seconds :core core :directory work)
-                              (gethash (list (getf cell :name) (getf server :name)) measured))))))
+                              (gethash (list (getf cell :name) (getf server :name)) measured)))))
+                  (format t "~&Per core, round ~D of ~D: session c100 and 0ms keep-alive c100 at the same moment~%"
+                          round rounds)
+                  (finish-output)
+                  (push (measure-session-at-same-moment (first servers) :seconds seconds :core core
+                                                                        :directory work)
+                        same-moment))
       (uiop:delete-directory-tree work :validate t :if-does-not-exist :ignore))
     (maphash (lambda (key rounds) (setf (gethash key cells) (median-cell rounds))) measured)
-    (write-suite-report (per-core-summary cells measured servers rounds seconds) "per-core" directory)
-    (loop for key being the hash-keys of cells using (hash-value figures)
-          always (or (string/= (second key) "parallel")
-                     (per-core-answered-p figures)))))
+    (write-suite-report (per-core-summary cells measured (reverse same-moment) servers rounds seconds)
+                        "per-core" directory)
+    (and (loop for key being the hash-keys of cells using (hash-value figures)
+               always (or (string/= (second key) "parallel")
+                          (per-core-answered-p figures)))
+         (every (lambda (figures) (every #'per-core-answered-p figures)) same-moment))))

@@ -142,9 +142,11 @@ system time a request in microseconds, all its threads."
                   (/ (* 1d6 (- user-after user-before)) served)
                   (/ (* 1d6 (- system-after system-before)) served)))))))
 
-(defun run-perf-profile (&key core (connections 1000) (delay-ms 0) (seconds 4) (top 40) (callers 12))
+(defun run-perf-profile (&key core (connections 1000) (delay-ms 0) (seconds 4) session (top 40) (callers 12))
   "Ours from CORE in a process of its own, /yo kept alive over CONNECTIONS
-connections with a handler of DELAY-MS: its requests/s and processor time
+connections with a handler of DELAY-MS -- with SESSION, the session counter
+/app/counter of a returning user (per-core's session cell) instead of /yo --
+its requests/s and processor time
 a request over 2 s (REQUEST-TIMES), then perf record's samples of its user
 time over SECONDS, named (PRINT-PERF-REPORT) -- the times are read before
 perf samples, as its interrupts would add to them.  True when perf
@@ -152,11 +154,14 @@ sampled."
   (let* ((port (free-port))
          (process (launch-server (second *servers*) port delay-ms core nil))
          (pid (uiop:process-info-pid process))
-         (workload (list :delay-ms delay-ms :close nil :connections connections))
+         (workload (list :delay-ms delay-ms :close nil :connections connections
+                         :path (if session "/app/counter" "/yo")))
          (directory (format nil "~A/" (shell-line "mktemp -d")))
          (data (concatenate 'string directory "perf.data")))
     (unwind-protect
          (when (wait-until-serving port)
+           (when session
+             (setf workload (list* :cookie (returning-user-cookie port) workload)))
            (wrk port workload 2)
            (let ((ranges (parse-code-map (http-get port "/bench-code-map")))
                  (mappings (file-mappings pid (namestring (truename core))))
@@ -165,9 +170,9 @@ sampled."
              ;; wrk's connections are open and busy a second in.
              (sleep 1)
              (multiple-value-bind (requests-per-second user system) (request-times pid port 2)
-               (format t "~&Ours, /yo kept alive over ~D connections, ~D ms handler: ~:D requests/s;~%~
+               (format t "~&Ours, ~A kept alive over ~D connections, ~D ms handler: ~:D requests/s;~%~
                           a request took ~,2F us of user time and ~,2F us of system time (all threads).~%"
-                       connections delay-ms requests-per-second user system))
+                       (workload-path workload) connections delay-ms requests-per-second user system))
              (uiop:run-program (list "perf" "record" "-q" "-g" "-e" "cpu-clock:u" "-F" "4999"
                                      "-p" (princ-to-string pid) "-o" data
                                      "--" "sleep" (princ-to-string seconds))

@@ -40,37 +40,37 @@ system) its server used meanwhile: wrk's, and :REQUESTS-PER-PROCESSOR-SECOND."
 its process-info, whose output stream gives wrk's report."
   (uiop:launch-program (per-core-wrk-command port cell seconds script) :output :stream :error-output :output))
 
-(defun wrk-together (ports cell seconds scripts)
-  "Run a wrk for CELL on each of PORTS (with the SCRIPTS in order) for
-SECONDS, all started together; their outputs, in order."
-  (let ((processes (mapcar (lambda (port script) (launch-wrk port cell seconds script)) ports scripts)))
+(defun wrk-together (ports cells seconds scripts)
+  "Run a wrk on each of PORTS for its cell of CELLS (with the SCRIPTS, in
+order) for SECONDS, all started together; their outputs, in order."
+  (let ((processes (mapcar (lambda (port cell script) (launch-wrk port cell seconds script)) ports cells scripts)))
     (mapcar (lambda (process)
               (prog1 (uiop:slurp-stream-string (uiop:process-info-output process))
                 (uiop:wait-process process)))
             processes)))
 
-(defun measure-same-moment-cell (servers cell &key seconds core directory)
+(defun measure-same-moment-cell (servers cells &key seconds core directory)
   "Start SERVERS (two) pinned to *PER-CORE-SERVER-PROCESSORS*, warm them 2 s
-together, measure CELL on both at once for SECONDS, stop them.  Each one's
-SAME-MOMENT-FIGURES, in order, or a list of :FAILED plists."
+together, measure each on its cell of CELLS at once for SECONDS, stop them.
+Each one's SAME-MOMENT-FIGURES, in order, or a list of :FAILED plists."
   (let* ((ports (mapcar (lambda (server) (declare (ignore server)) (free-port)) servers))
          (processes (let ((*server-processors* *per-core-server-processors*))
-                      (mapcar (lambda (server port)
+                      (mapcar (lambda (server port cell)
                                 (launch-server server port (getf cell :delay-ms 0) core
                                                (namestring (merge-pathnames (format nil "same-moment-~D.log" port)
                                                                             directory))))
-                              servers ports))))
+                              servers ports cells))))
     (unwind-protect
          (if (notevery #'wait-until-serving ports)
              (mapcar (constantly (list :failed "server did not answer GET /yo within 30 s")) servers)
-             (let ((scripts (mapcar (lambda (port)
+             (let ((scripts (mapcar (lambda (port cell)
                                       (per-core-wrk-script directory :cookie (and (getf cell :cookie)
                                                                                   (returning-user-cookie port))))
-                                    ports))
+                                    ports cells))
                    (pids (mapcar #'uiop:process-info-pid processes)))
-               (wrk-together ports cell 2 scripts)
+               (wrk-together ports cells 2 scripts)
                (let* ((before (mapcar (lambda (pid) (multiple-value-list (server-processor-seconds pid))) pids))
-                      (outputs (wrk-together ports cell seconds scripts))
+                      (outputs (wrk-together ports cells seconds scripts))
                       (after (mapcar (lambda (pid) (multiple-value-list (server-processor-seconds pid))) pids)))
                  (mapcar (lambda (output before after) (same-moment-figures output (mapcar #'- after before)))
                          outputs before after))))
@@ -82,6 +82,17 @@ round's FIGURES (two), or NIL when either failed or answered other than 2xx."
   (destructuring-bind (first second) figures
     (and (every #'per-core-answered-p figures)
          (ratio-to (getf second :requests-per-processor-second) (getf first :requests-per-processor-second)))))
+
+(defun measure-session-at-same-moment (server &key seconds core directory)
+  "Ours' session cell and its plain handler (the per-core table's \"session
+c100\" and \"0ms keep-alive c100\") measured at the same moment, each on a
+process of SERVER of its own (MEASURE-SAME-MOMENT-CELL): the plain one's
+figures, then the session's.  Run after run, a session request's processor
+time moved as much as the machine's speed; at the same moment the drift falls
+on both (bench/profiles/2026-12-02-session-at-the-same-moment.txt)."
+  (flet ((cell (name) (find name *per-core-cells* :key (lambda (cell) (getf cell :name)) :test #'string=)))
+    (measure-same-moment-cell (list server server) (list (cell "0ms keep-alive c100") (cell "session c100"))
+                              :seconds seconds :core core :directory directory)))
 
 (defun same-moment-summary (measured servers rounds seconds)
   "The markdown report of MEASURED (cell name -> each round's figures of
@@ -126,7 +137,8 @@ answered every request with a 2xx."
                do (dolist (cell *same-moment-cells*)
                     (format t "~&Same moment, round ~D of ~D: ~A~%" round rounds (getf cell :name))
                     (finish-output)
-                    (push (measure-same-moment-cell servers cell :seconds seconds :core core :directory work)
+                    (push (measure-same-moment-cell servers (list cell cell) :seconds seconds :core core
+                                                                                :directory work)
                           (gethash (getf cell :name) measured))))
       (uiop:delete-directory-tree work :validate t :if-does-not-exist :ignore))
     (write-suite-report (same-moment-summary measured servers rounds seconds) "same-moment" directory)

@@ -34,7 +34,7 @@
 (defvar *counters* (make-counters))
 
 (defun count-request ()
-  "Count a /yo request in the stripe of the calling thread, each stripe on a
+  "Count a /yo or /app/counter request in the stripe of the calling thread, each stripe on a
 cache line of its own: a word every thread incremented moved between
 the processors' caches at every request, 2.6% of the server's time at a
 0 ms handler, and what measures should weigh as little as it can on what it
@@ -44,7 +44,7 @@ measures."
                                (mod (sb-thread:thread-os-tid sb-thread:*current-thread*) +request-stripes+)))))
 
 (defun counter-requests (counters)
-  "The requests to /yo COUNTERS have counted."
+  "The requests to /yo and /app/counter COUNTERS have counted."
   (loop for stripe below +request-stripes+
         sum (aref (counter-request-stripes counters) (* +words-per-stripe+ stripe))))
 
