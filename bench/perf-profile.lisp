@@ -144,13 +144,12 @@ system time a request in microseconds, all its threads."
 
 (defun run-perf-profile (&key core (connections 1000) (delay-ms 0) (seconds 4) session (top 40) (callers 12))
   "Ours from CORE in a process of its own, /yo kept alive over CONNECTIONS
-connections with a handler of DELAY-MS -- with SESSION, the session counter
-/app/counter of a returning user (per-core's session cell) instead of /yo --
-its requests/s and processor time
-a request over 2 s (REQUEST-TIMES), then perf record's samples of its user
-time over SECONDS, named (PRINT-PERF-REPORT) -- the times are read before
-perf samples, as its interrupts would add to them.  True when perf
-sampled."
+connections with a handler of DELAY-MS (with SESSION, a returning user's
+session counter /app/counter, per-core's session cell, instead): its
+requests/s and processor time a request over 2 s (REQUEST-TIMES), then perf
+record's samples of its user time over SECONDS, named (PRINT-PERF-REPORT)
+-- the times are read before perf samples, as its interrupts would add to
+them.  True when perf sampled."
   (let* ((port (free-port))
          (process (launch-server (second *servers*) port delay-ms core nil))
          (pid (uiop:process-info-pid process))

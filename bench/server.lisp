@@ -34,11 +34,11 @@
 (defvar *counters* (make-counters))
 
 (defun count-request ()
-  "Count a /yo or /app/counter request in the stripe of the calling thread, each stripe on a
-cache line of its own: a word every thread incremented moved between
-the processors' caches at every request, 2.6% of the server's time at a
-0 ms handler, and what measures should weigh as little as it can on what it
-measures."
+  "Count a /yo or /app/counter request in the stripe of the calling
+thread, each stripe on a cache line of its own: a word every thread
+incremented moved between the processors' caches at every request, 2.6% of
+the server's time at a 0 ms handler, and what measures should weigh as
+little as it can on what it measures."
   (sb-ext:atomic-incf (aref (counter-request-stripes *counters*)
                             (* +words-per-stripe+
                                (mod (sb-thread:thread-os-tid sb-thread:*current-thread*) +request-stripes+)))))
