@@ -145,8 +145,7 @@ the ends of VALUE is."
   ;; STRING-EQUAL, generic, this was 0.29 us of a request naming "close"
   ;; (bench/profiles/2026-12-02-session-at-the-same-moment.txt); browsers
   ;; name "keep-alive" on every request, and it is asked twice.
-  (let ((value (if (simple-string-p value) value (coerce value 'simple-string)))
-        (length (length option)))
+  (let ((length (length option)))
     (with-string-kind (value)
       (flet ((whitespacep (char)
                (or (char= char #\Space) (char= char #\Tab) (char= char #\Newline) (char= char #\Return)
