@@ -98,10 +98,9 @@ measure CELL for SECONDS, stop it.  wrk's figures, and :SERVER-USER-US and
 :SERVER-SYSTEM-US the server's user and system time a request, :BYTES-CONSED-PER-REQUEST for a
 Lisp server."
   (let* ((port (free-port))
+         (log-file (namestring (merge-pathnames (format nil "per-core-~A.log" (getf server :name)) directory)))
          (process (let ((*server-processors* *per-core-server-processors*))
-                    (launch-server server port (getf cell :delay-ms 0) core
-                                   (namestring (merge-pathnames (format nil "per-core-~A.log" (getf server :name))
-                                                                directory))))))
+                    (launch-server server port (getf cell :delay-ms 0) core log-file))))
     (unwind-protect
          (if (not (wait-until-serving port))
              (list :failed "server did not answer GET /yo within 30 s")
@@ -119,16 +118,26 @@ Lisp server."
                    (let* ((after (and lisp (lisp-counters port)))
                           (figures (parse-wrk output))
                           (requests (getf figures :requests)))
-                     (list* :server-user-us (and (plusp requests)
-                                                 (/ (* 1000000 (first processor-seconds)) requests))
-                            :server-system-us (and (plusp requests)
-                                                   (/ (* 1000000 (second processor-seconds)) requests))
-                            :peak-threads (and lisp peak-threads)
-                            :bytes-consed-per-request (and before after (plusp requests)
-                                                           (round (- (getf after :consed) (getf before :consed))
-                                                                  requests))
-                            figures))))))
+                     (if (not (uiop:process-alive-p process))
+                         (server-ended-failure log-file)
+                         (list* :server-user-us (and (plusp requests)
+                                                     (/ (* 1000000 (first processor-seconds)) requests))
+                                :server-system-us (and (plusp requests)
+                                                       (/ (* 1000000 (second processor-seconds)) requests))
+                                :peak-threads (and lisp peak-threads)
+                                :bytes-consed-per-request (and before after (plusp requests)
+                                                               (round (- (getf after :consed) (getf before :consed))
+                                                                      requests))
+                                figures)))))))
       (stop-server process))))
+
+(defun server-ended-failure (log-file)
+  "The figures of a measurement whose server process ended before it was
+stopped: :FAILED with the first line of its LOG-FILE (a Lisp server's
+unhandled error).  wrk, refused, counts no error, and the cell would read
+as 0 requests/s."
+  (list :failed (format nil "the server ended during the measurement: ~A"
+                        (or (ignore-errors (first (uiop:read-file-lines log-file))) "no log"))))
 
 (defun per-core-errors (figures)
   (+ (getf figures :non-2xx 0) (getf figures :connect-errors 0) (getf figures :read-errors 0)
@@ -181,7 +190,7 @@ MEASURED) and ours' session cell over its plain handler at the same moment
         (let ((figures (gethash (list (getf cell :name) (getf server :name)) cells)))
           (format out " ~A |"
                   (cond ((null figures) "-")
-                        ((getf figures :failed) "failed")
+                        ((getf figures :failed) (format nil "failed (~A)" (getf figures :failed)))
                         (t (format nil "~D (~,1F + ~,1F us~@[, ~D threads~])~:[~*~; ~D errors~]"
                                    (round (getf figures :requests-per-second))
                                    (getf figures :server-user-us) (getf figures :server-system-us)
@@ -248,8 +257,11 @@ request of every cell with a 2xx."
                       (when (member (getf server :name) (getf cell :servers) :test #'string=)
                         (format t "~&Per core, round ~D of ~D: ~A, ~A~%" round rounds (getf cell :name) (getf server :name))
                         (finish-output)
-                        (push (measure-per-core-cell server cell :seconds seconds :core core :directory work)
-                              (gethash (list (getf cell :name) (getf server :name)) measured)))))
+                        (let ((figures (measure-per-core-cell server cell :seconds seconds :core core
+                                                                             :directory work)))
+                          (when (getf figures :failed)
+                            (format t "~&  failed: ~A~%" (getf figures :failed)))
+                          (push figures (gethash (list (getf cell :name) (getf server :name)) measured))))))
                   (format t "~&Per core, round ~D of ~D: session c100 and 0ms keep-alive c100 at the same moment~%"
                           round rounds)
                   (finish-output)
