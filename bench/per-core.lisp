@@ -96,7 +96,8 @@ to *PER-CORE-CLIENT-PROCESSORS*, with SCRIPT when given."
   "Start SERVER pinned to *PER-CORE-SERVER-PROCESSORS*, warm it 2 s,
 measure CELL for SECONDS, stop it.  wrk's figures, and :SERVER-USER-US and
 :SERVER-SYSTEM-US the server's user and system time a request, :BYTES-CONSED-PER-REQUEST for a
-Lisp server."
+Lisp server; or :FAILED when the server did not answer or ended before it
+was stopped (SERVER-ENDED-FAILURE)."
   (let* ((port (free-port))
          (log-file (namestring (merge-pathnames (format nil "per-core-~A.log" (getf server :name)) directory)))
          (process (let ((*server-processors* *per-core-server-processors*))
