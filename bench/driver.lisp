@@ -365,12 +365,14 @@ and the most threads seen."
 ;;; One cell.
 
 (defun measure-cell (server workload &key seconds warm-seconds core directory (round 1))
-  "Start SERVER, check it, warm it, measure WORKLOAD, stop it.  A plist."
+  "Start SERVER, check it, warm it, measure WORKLOAD, stop it.  A plist:
+wrk's figures, or :FAILED when the server did not answer or ended before
+it was stopped (SERVER-ENDED-FAILURE)."
   (let* ((port (free-port))
          (base (format nil "~Araw/~A_~A_round~D" directory (getf server :name)
                        (workload-file-name workload) round))
-         (process (launch-server server port (getf workload :delay-ms) core
-                                 (concatenate 'string base ".server.log"))))
+         (log-file (concatenate 'string base ".server.log"))
+         (process (launch-server server port (getf workload :delay-ms) core log-file)))
     (unwind-protect
          (if (not (wait-until-serving port))
              (list :failed "server did not answer GET /yo within 30 s")
@@ -387,13 +389,23 @@ and the most threads seen."
                      (with-open-file (out (concatenate 'string base ".wrk.txt") :direction :output
                                                                                  :if-exists :supersede)
                        (write-string output out))
-                     (append cell
-                             (microseconds-per-request processor-seconds (getf cell :requests))
-                             (list :bytes-consed-per-request
-                                   (and served (plusp served)
-                                        (round (- (getf after :consed) (getf before :consed)) served))
-                                   :peak-threads (and lisp peak-threads))))))))
+                     (if (not (uiop:process-alive-p process))
+                         (server-ended-failure log-file)
+                         (append cell
+                                 (microseconds-per-request processor-seconds (getf cell :requests))
+                                 (list :bytes-consed-per-request
+                                       (and served (plusp served)
+                                            (round (- (getf after :consed) (getf before :consed)) served))
+                                       :peak-threads (and lisp peak-threads)))))))))
       (stop-server process))))
+
+(defun server-ended-failure (log-file)
+  "The figures of a measurement whose server process ended before it was
+stopped: :FAILED with the first line of its LOG-FILE (a Lisp server's
+unhandled error).  wrk, refused, counts no error, and the cell would read
+as 0 requests/s."
+  (list :failed (format nil "the server ended during the measurement: ~A"
+                        (or (ignore-errors (first (uiop:read-file-lines log-file))) "no log"))))
 
 ;;; Output.
 
@@ -603,9 +615,11 @@ and push each result on MEASURED under (server name, workload)."
                      step (length cells) (getf server :name) (workload-name workload) round rounds
                      seconds (duration-text (* cells-left seconds-per-cell)))
              (finish-output)
-             (push (measure-cell server workload :seconds seconds :warm-seconds warm-seconds
-                                                 :core core :directory directory :round round)
-                   (gethash (list (getf server :name) workload) measured)))))
+             (let ((cell (measure-cell server workload :seconds seconds :warm-seconds warm-seconds
+                                                       :core core :directory directory :round round)))
+               (when (getf cell :failed)
+                 (format t "~&  failed: ~A~%" (getf cell :failed)))
+               (push cell (gethash (list (getf server :name) workload) measured))))))
 
 (defun run-benchmarks (&key quick core (servers *servers*) (peers t) (workloads (workloads quick))
                             (rounds (if quick 1 5)) (seconds (if quick 2 5))

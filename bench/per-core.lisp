@@ -132,14 +132,6 @@ was stopped (SERVER-ENDED-FAILURE)."
                                 figures)))))))
       (stop-server process))))
 
-(defun server-ended-failure (log-file)
-  "The figures of a measurement whose server process ended before it was
-stopped: :FAILED with the first line of its LOG-FILE (a Lisp server's
-unhandled error).  wrk, refused, counts no error, and the cell would read
-as 0 requests/s."
-  (list :failed (format nil "the server ended during the measurement: ~A"
-                        (or (ignore-errors (first (uiop:read-file-lines log-file))) "no log"))))
-
 (defun per-core-errors (figures)
   (+ (getf figures :non-2xx 0) (getf figures :connect-errors 0) (getf figures :read-errors 0)
      (getf figures :write-errors 0) (getf figures :timeout-errors 0)))
