@@ -252,6 +252,18 @@ should the second turn, or another thread's value replace it, in between."
     (is (null (hrt::header-text-octets unsafe)))
     (is (hrt::push-header-line :x unsafe (hrt::make-reply-head)) "a value with a CR not told")))
 
+(test replies.date-header-turns-with-the-second
+  ;; Within a tick or two of the coarse clock the value names the new second.
+  (let ((second (get-universal-time)))
+    (hrt::date-header-value)
+    (loop while (= (get-universal-time) second) do (sleep 0.001))
+    (let ((next (ht:rfc-1123-date (1+ second)))
+          (deadline (+ (get-internal-real-time) (floor internal-time-units-per-second 20))))
+      (loop until (or (string= (hrt::date-header-value) next)
+                      (> (get-internal-real-time) deadline))
+            do (sleep 0.001))
+      (is (string= next (hrt::date-header-value))))))
+
 (test replies.handler-error-page-is-the-same
   (let ((ht:*show-lisp-errors-p* nil))
     (check-same-replies (list (get-request "/test/error")))))

@@ -194,17 +194,26 @@ no header's value."
 ;;; What START-OUTPUT would compute anew for every reply.
 
 (defvar *date-header* (list 0 "" (header-text-octets ""))
-  "The universal time of the last Date header made, its value and the
-value's octets: one formatted per second, not per reply.")
+  "Until when the last Date header made holds (internal real time, when the
+next second begins), its value and the value's octets: one formatted per
+second, not per reply.")
 
 (defun date-header-value ()
+  "The Date header value of this second, as Hunchentoot's RFC-1123-DATE
+writes it.  A reply reads SBCL's coarse clock (6 ns), not the time of day
+(24 ns, 1% of a kept-alive request's user time), to tell whether the second
+has passed: the value may be a tick of that clock (4 ms here) late, as
+nginx's is by the turn of its event loop."
   (let ((cache *date-header*)
-        (now (get-universal-time)))
-    (if (= (first cache) now)
+        (now (get-internal-real-time)))
+    (if (< now (first cache))
         (second cache)
-        (let ((value (hunchentoot:rfc-1123-date now)))
-          (setf *date-header* (list now value (header-text-octets value)))
-          value))))
+        (multiple-value-bind (universal-time microseconds) (universal-time-and-microseconds)
+          (let ((value (hunchentoot:rfc-1123-date universal-time)))
+            (setf *date-header* (list (+ now (ceiling (* (- 1000000 microseconds) internal-time-units-per-second)
+                                                      1000000))
+                                      value (header-text-octets value)))
+            value)))))
 
 (defun date-header-octets (value)
   "The octets of VALUE when it is the Date header value DATE-HEADER-VALUE
