@@ -102,6 +102,10 @@ __EPOLL_PACKED), naturally aligned elsewhere.")
   "sched(7)'s time-sharing policy for threads whose wake-up should not
 preempt the thread running.")
 
+(defconstant +unix-epoch-universal-time+ 2208988800
+  "The universal time of 1970-01-01 00:00 UTC, from which the kernel's times
+count their seconds.")
+
 (defconstant +sc-nprocessors-onln+ 84
   "sysconf(3)'s name for the number of processors online (glibc).")
 

@@ -16,4 +16,4 @@
 (defun universal-time-and-microseconds ()
   "The universal time now, and the microseconds of its second gone."
   (multiple-value-bind (seconds microseconds) (sb-ext:get-time-of-day)
-    (values (+ seconds #.(encode-universal-time 0 0 0 1 1 1970 0)) microseconds)))
+    (values (+ seconds +unix-epoch-universal-time+) microseconds)))

@@ -15,7 +15,7 @@ is what was looked at, whatever happens to the name meanwhile."
           (sb-unix:unix-fstat fd)
         (declare (ignore device inode links uid gid rdev atime))
         (if (and ok (= (logand mode +s-ifmt+) +s-ifreg+))
-            (values fd size (+ mtime #.(encode-universal-time 0 0 0 1 1 1970 0)))
+            (values fd size (+ mtime +unix-epoch-universal-time+))
             (progn (sb-unix:unix-close fd) nil))))))
 
 (defun directory-path-p (namestring)
