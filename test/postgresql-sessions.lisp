@@ -239,30 +239,40 @@ writing to LOG; its process-info once it serves, or NIL."
                                                (sb-ext:posix-environ)))))
 
 (defun count-through (port jar)
-  "The counter and process id /count on PORT answers for the session of JAR, a new connection each time."
-  (multiple-value-bind (body status)
-      (ignore-errors (drakma:http-request (format nil "http://127.0.0.1:~D/count" port)
-                                          :cookie-jar jar :close t :connection-timeout 10))
-    (when (and (eql status 200) (stringp body))
-      (let ((space (position #\Space body)))
-        (list (parse-integer body :end space) (parse-integer body :start (1+ space)))))))
+  "The counter and process id /count on PORT answers for the session of JAR,
+a new connection each time; else NIL and what came instead, the status and
+the body's start or the error."
+  (handler-case
+      (multiple-value-bind (body status)
+          (drakma:http-request (format nil "http://127.0.0.1:~D/count" port)
+                               :cookie-jar jar :close t :connection-timeout 10)
+        (if (and (eql status 200) (stringp body))
+            (let ((space (position #\Space body)))
+              (list (parse-integer body :end space) (parse-integer body :start (1+ space))))
+            (values nil (format nil "status ~A: ~A" status
+                                (if (stringp body) (one-line (subseq body 0 (min 80 (length body)))) body)))))
+    (error (condition) (values nil (one-line (princ-to-string condition))))))
 
 (defun count-sequentially (port jar first last)
   "Ask /count on PORT with JAR for the counts FIRST to LAST; true when each
 answer was the next count; second value, the process ids that answered;
-third, the first count that was not the one expected, and the one expected."
+third, the first answer that was not the count expected (the count, or what
+came instead) and the count expected."
   (let ((pids '()) (wrong nil))
     (loop for expected from first to last
-          for (count pid) = (count-through port jar)
-          do (pushnew pid pids)
-             (unless (or wrong (eql count expected))
-               (setf wrong (list count expected))))
+          do (multiple-value-bind (reply failure) (count-through port jar)
+               (destructuring-bind (&optional count pid) reply
+                 (pushnew pid pids)
+                 (unless (or wrong (eql count expected))
+                   (setf wrong (list (or count failure) expected))))))
     (values (null wrong) pids wrong)))
 
 (defun count-concurrently (port jars first last)
-  "Each of JARS in a thread of its own, as COUNT-SEQUENTIALLY; true when every one counted exactly."
-  (let ((joins (mapcar (lambda (jar) (in-thread (lambda () (count-sequentially port jar first last)))) jars)))
-    (every #'identity (mapcar (lambda (join) (first (funcall join))) joins))))
+  "Each of JARS in a thread of its own, as COUNT-SEQUENTIALLY; true when
+every one counted exactly; second value, the first wrong answer of one."
+  (let* ((joins (mapcar (lambda (jar) (in-thread (lambda () (count-sequentially port jar first last)))) jars))
+         (results (mapcar #'funcall joins)))
+    (values (every #'first results) (third (find nil results :key #'first)))))
 
 (defun nginx-config-for (listen-port upstream-port directory)
   "demo/nginx.conf (docs/sessions.md's configuration) for LISTEN-PORT and UPSTREAM-PORT, run from DIRECTORY."
@@ -274,15 +284,26 @@ third, the first count that was not the one expected, and the one expected."
       (write-string text out))
     (merge-pathnames "nginx.conf" directory)))
 
-(defun launch-nginx (listen-port upstream-port directory)
-  "nginx on LISTEN-PORT in front of UPSTREAM-PORT, by demo/nginx.conf; its process-info once it serves."
-  (let ((process (uiop:launch-program (list "nginx" "-p" (namestring directory)
-                                            "-c" (namestring (nginx-config-for listen-port upstream-port directory))
-                                            "-e" (namestring (merge-pathnames "error.log" directory))
-                                            "-g" "daemon off;")
-                                      :output nil :error-output nil)))
-    (wait-until (lambda () (ignore-errors (usocket:socket-close (connect-to-port listen-port)) t)) :timeout 10)
-    process))
+(defun launch-nginx (upstream-port directory)
+  "nginx in front of UPSTREAM-PORT by demo/nginx.conf, run from DIRECTORY:
+its process-info and port once it serves, or NIL when it did not within
+10 s.  nginx ends when the port FREE-PORT handed out was taken before its
+bind: it is started again on another, three times at most."
+  (loop repeat 3
+        do (let* ((port (free-port))
+                  (process (uiop:launch-program
+                            (list "nginx" "-p" (namestring directory)
+                                  "-c" (namestring (nginx-config-for port upstream-port directory))
+                                  "-e" (namestring (merge-pathnames "error.log" directory))
+                                  "-g" "daemon off;")
+                            :output nil :error-output nil)))
+             (flet ((serving-p ()
+                      (and (uiop:process-alive-p process)
+                           (ignore-errors (usocket:socket-close (connect-to-port port)) t))))
+               (wait-until (lambda () (or (serving-p) (not (uiop:process-alive-p process)))) :timeout 10)
+               (cond ((serving-p) (return (values process port)))
+                     ((uiop:process-alive-p process) (stop-process process) (return nil))
+                     (t (uiop:wait-process process)))))))
 
 (test postgresql-sessions.processes-share-sessions-on-one-port-and-behind-nginx
   (with-postgresql-cluster (cluster)
@@ -311,13 +332,22 @@ third, the first count that was not the one expected, and the one expected."
                (start-demos)
                (is-true (count-sequentially port one 1001 1100) "the restart lost the session of one client")
                (is-true (count-concurrently port hundred 11 20) "the restart lost a session of the 100 clients")
-               (let ((nginx-port (free-port)))
-                 (setf nginx (launch-nginx nginx-port port directory))
-                 (multiple-value-bind (exact pids wrong) (count-sequentially nginx-port one 1101 2100)
-                   (declare (ignore pids))
-                   (is-true exact "behind nginx, one client's requests did not count on exactly: ~S" wrong))
-                 (is-true (count-concurrently nginx-port hundred 21 30)
-                          "behind nginx, the 100 clients' counters are not exact")))
+               (multiple-value-bind (process nginx-port) (launch-nginx port directory)
+                 (setf nginx process)
+                 (is-true process "nginx did not serve: ~A"
+                          (last-lines-with (merge-pathnames "error.log" directory) '("")))
+                 (when process
+                   (flet ((errors-logged ()
+                            (format nil "~{~A~^~%~}"
+                                    (mapcar (lambda (log) (last-lines-with log '("[error]" "[ERROR]" "[WARNING]" "\" 5")))
+                                            (cons (merge-pathnames "error.log" directory) logs)))))
+                     (multiple-value-bind (exact pids wrong) (count-sequentially nginx-port one 1101 2100)
+                       (declare (ignore pids))
+                       (is-true exact "behind nginx, one client's requests did not count on exactly: ~S~%~A"
+                                wrong (errors-logged)))
+                     (multiple-value-bind (exact wrong) (count-concurrently nginx-port hundred 21 30)
+                       (is-true exact "behind nginx, the 100 clients' counters are not exact: ~S~%~A"
+                                wrong (errors-logged)))))))
           (when nginx (stop-process nginx))
           (stop-demos)
           (uiop:delete-directory-tree directory :validate t :if-does-not-exist :ignore))))))

@@ -144,6 +144,17 @@ signal from the wait as well as from the read."
   (with-open-file (in file :if-does-not-exist nil)
     (if in (loop for line = (read-line in nil) while line count (search text line)) 0)))
 
+(defun last-lines-with (file texts &key (count 5))
+  "The last COUNT lines of FILE containing one of TEXTS, a string of them
+one a line, for a failure's message; empty when FILE is not there."
+  (let ((lines '()))
+    (with-open-file (in file :if-does-not-exist nil)
+      (when in
+        (loop for line = (read-line in nil) while line
+              when (some (lambda (text) (search text line)) texts)
+                do (push line lines))))
+    (format nil "~{~A~^~%~}" (reverse (subseq lines 0 (min count (length lines)))))))
+
 (defun stop-process (process)
   "End PROCESS, which this test started: TERM, then KILL after 10 s."
   (when (uiop:process-alive-p process)
