@@ -16,6 +16,7 @@ bytes, with acceptors that use it by default."
   :components ((:file "package")
                (:module "sys" :serial t :components ((:file "linux")
                                                 (:file "sbcl-threads")
+                                                (:file "sbcl-prefetch")
                                                 (:file "sbcl-epoll")
                                                 (:file "sbcl-sockets")
                                                 (:file "sbcl-fd-streams")

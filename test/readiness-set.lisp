@@ -534,3 +534,14 @@ caller closes."
             "a line for ~D in ~S" status lines))
       (is (every (lambda (line) (eql 0 (search "127.0.0.1 " line))) lines)
           "each with the client's address: ~S" lines))))
+
+(test readiness.prefetching-any-object-never-faults
+  ;; PREFETCH-REPORTED-CONNECTION hints at the memory of connections that
+  ;; may be gone by then; the hint must never read.  A fixnum's or NIL's
+  ;; "address" would fault if it did.
+  (dolist (object (list 0 most-positive-fixnum nil (list 1) (make-array 100000) #'car))
+    (hrt::prefetch-octets object hrt::*connection-octets*))
+  (pass "no prefetch faulted")
+  (is (>= hrt::*connection-octets*
+          (* 8 (1+ (length (sb-mop:class-slots (find-class 'hrt::connection))))))
+      "a prefetched connection is ~D octets, short of its slots" hrt::*connection-octets*))

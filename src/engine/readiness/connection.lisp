@@ -99,6 +99,9 @@
   ;; connection was accepted); NIL between requests of a kept-alive one.
   (head-started nil :type (or null fixnum)))
 
+(defvar *connection-octets* (structure-octets (make-connection -1 0 nil))
+  "The octets a CONNECTION takes, which PREFETCH-REPORTED-CONNECTION asks for.")
+
 (defmethod print-object ((connection connection) stream)
   (print-unreadable-object (connection stream :type t :identity t)
     (format stream "fd ~D ~S" (connection-fd connection) (connection-state connection))))

@@ -85,6 +85,9 @@ listening socket not served now are queued for any worker."
               (t (rearm-own-descriptor set token)))))
     (setf queued (nreverse queued))
     (let ((first (or descriptor (pop queued))))
+      ;; The queued ones wait for a worker: time for their memory to come.
+      (dolist (token queued)
+        (prefetch-reported-connection set token))
       (queue-worker-tasks set queued)
       first)))
 

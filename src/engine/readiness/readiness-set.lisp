@@ -272,6 +272,16 @@ its CONNECTION, :ACTIVE."
 What it had unread stays so."
   (compare-and-swap (connection-state connection) :parked :active))
 
+(defun prefetch-reported-connection (set token)
+  "Ask for the connection TOKEN was reported for, if it is a connection's,
+into the caches: a worker takes it up soon (TAKE-READY-CONNECTION)."
+  (let ((slots (readiness-set-slots set))
+        (index (slot-index token)))
+    (when (< -1 index (length slots))
+      (let ((connection (svref slots index)))
+        (when connection
+          (prefetch-octets connection *connection-octets*))))))
+
 (defun take-ready-connection (set token)
   "The parked connection TOKEN was reported for, now held by the caller; NIL
 when it is gone or another thread holds it.  A connection held by another
@@ -286,6 +296,10 @@ unread."
         (case (connection-state connection)
           (:parked (when (take-parked-connection connection)
                      (setf (connection-unread-p connection) t)
+                     ;; HUNCHENTOOT:PROCESS-CONNECTION's dispatch reads
+                     ;; the socket's class soon: its line is asked for now.
+                     (let ((socket (connection-usocket connection)))
+                       (when socket (prefetch-octets socket 8)))
                      (return connection)))
           (:active (when (compare-and-swap (connection-state connection) :active :notified)
                      (return nil)))
