@@ -250,7 +250,9 @@ the body's start or the error."
             (let ((space (position #\Space body)))
               (list (parse-integer body :end space) (parse-integer body :start (1+ space))))
             (values nil (format nil "status ~A: ~A" status
-                                (if (stringp body) (one-line (subseq body 0 (min 80 (length body)))) body)))))
+                                (if (stringp body)
+                                    (one-line (subseq body 0 (min 80 (length body))))
+                                    (format nil "~D octets" (length body)))))))
     (error (condition) (values nil (one-line (princ-to-string condition))))))
 
 (defun count-sequentially (port jar first last)
