@@ -272,15 +272,21 @@ its CONNECTION, :ACTIVE."
 What it had unread stays so."
   (compare-and-swap (connection-state connection) :parked :active))
 
+(defun slot-connection (set token)
+  "The connection in SET's table at the slot TOKEN names, or NIL when the
+slot is empty or TOKEN names none (the set's own descriptors, the
+listening socket).  It may be a later connection's: the caller compares
+tokens."
+  (let ((slots (readiness-set-slots set))
+        (index (slot-index token)))
+    (and (< -1 index (length slots)) (svref slots index))))
+
 (defun prefetch-reported-connection (set token)
   "Ask for the connection TOKEN was reported for, if it is a connection's,
 into the caches: a worker takes it up soon (TAKE-READY-CONNECTION)."
-  (let ((slots (readiness-set-slots set))
-        (index (slot-index token)))
-    (when (< -1 index (length slots))
-      (let ((connection (svref slots index)))
-        (when connection
-          (prefetch-octets connection *connection-octets*))))))
+  (let ((connection (slot-connection set token)))
+    (when connection
+      (prefetch-octets connection *connection-octets*))))
 
 (defun take-ready-connection (set token)
   "The parked connection TOKEN was reported for, now held by the caller; NIL
@@ -288,9 +294,7 @@ when it is gone or another thread holds it.  A connection held by another
 thread is marked :NOTIFIED, so that its holder arms it again when it parks
 (the edge reported now would otherwise be lost).  What was reported is
 unread."
-  (let* ((slots (readiness-set-slots set))
-         (index (slot-index token))
-         (connection (and (< index (length slots)) (svref slots index))))
+  (let ((connection (slot-connection set token)))
     (when (and connection (= (connection-token connection) token))
       (loop
         (case (connection-state connection)
