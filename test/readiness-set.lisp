@@ -545,3 +545,23 @@ caller closes."
   (is (>= hrt::*connection-octets*
           (* 8 (1+ (length (sb-mop:class-slots (find-class 'hrt::connection))))))
       "a prefetched connection is ~D octets, short of its slots" hrt::*connection-octets*))
+
+(test readiness.prefetching-a-queued-connection-reads-what-its-token-names
+  ;; RUN-QUEUED-TASKS asks for the objects of the connection queued next,
+  ;; which may have gone, or never have had a socket or addresses, or be no
+  ;; connection's token at all: each is asked for, or nothing.
+  ;; No descriptor of its own: the set is never waited on.
+  (let* ((set (hrt::%make-readiness-set :task-fd -1 :timers (hrt::%make-timers -1)
+                                           :counters (hrt::make-connection-counters)
+                                           :memory-budget (hrt::make-memory-budget 1024)))
+         (first hrt::+first-connection-token+)
+         (bare (hrt::make-connection -1 first nil))
+         (whole (hrt::make-connection -1 (1+ first) nil)))
+    (setf (hrt::connection-usocket whole) (make-instance 'hrt::connection-socket :connection whole)
+          (hrt::connection-addresses whole) (list "127.0.0.1" 50000 "127.0.0.1" 8080)
+          (svref (hrt::readiness-set-slots set) 0) bare
+          (svref (hrt::readiness-set-slots set) 1) whole)
+    (is (eq whole (hrt::slot-connection set (1+ first))))
+    (dolist (token (list hrt::+listen-token+ hrt::+timer-token+ hrt::+task-token+
+                         first (1+ first) (+ first 2) (+ first 100000)))
+      (finishes (hrt::prefetch-reported-connection-objects set token)))))

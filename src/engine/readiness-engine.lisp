@@ -113,10 +113,15 @@ is logged."
                (log-safely (serving-acceptor serving) :error "Error in a worker task: ~A" condition))))))
 
 (defun run-queued-tasks (set serving)
-  "Run the tasks waiting in SET's queue, oldest first, until none waits."
+  "Run the tasks waiting in SET's queue, oldest first, until none waits.
+Before each, the objects of the connection queued after it are asked into
+the caches, a turn ahead of their use (PREFETCH-REPORTED-CONNECTION-OBJECTS)."
   (loop for task = (and (readiness-set-tasks set) (pop-worker-task set))
         while task
-        do (run-worker-task serving task)))
+        do (let ((next (first (readiness-set-tasks set))))
+             (when (integerp next)
+               (prefetch-reported-connection-objects set next)))
+           (run-worker-task serving task)))
 
 (defun serve-ready-token (serving token)
   "Serve what TOKEN, reported by SERVING's set, stands for: a new connection

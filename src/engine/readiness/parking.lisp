@@ -27,8 +27,9 @@ pool is stopping."
                        (+ head-started (readiness-set-header-timeout set))
                        (+ now (readiness-set-keep-alive-timeout set)))))
     (setf (connection-timeout-status connection) (and head-started 408))
-    (cond ((stopping-p set) (close-connection set connection))
-          ((<= deadline now) (end-parked-connection set connection))
+    ;; The pool's stopping is PARK-UNTIL's to see, before and after it
+    ;; parks: asked here too, it was two more generic calls a request.
+    (cond ((<= deadline now) (end-parked-connection set connection))
           (t
            (keep-pending-bytes connection buffer end (readiness-set-memory-budget set))
            (park-until set connection deadline)))))

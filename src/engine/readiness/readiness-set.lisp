@@ -288,6 +288,22 @@ into the caches: a worker takes it up soon (TAKE-READY-CONNECTION)."
     (when connection
       (prefetch-octets connection *connection-octets*))))
 
+(defun prefetch-reported-connection-objects (set token)
+  "Ask for what a turn of the connection TOKEN was reported for, if it is a
+connection's, reads first beyond its struct into the caches: its socket's
+first line, whose class HUNCHENTOOT:PROCESS-CONNECTION's dispatch reads,
+and the conses of its own addresses, which each request is made with.  Its
+struct was asked for as TOKEN was queued (PREFETCH-REPORTED-CONNECTION) and
+has come by now; a worker takes it up after the turn running now."
+  (let ((connection (slot-connection set token)))
+    (when connection
+      (let ((socket (connection-usocket connection))
+            (addresses (connection-addresses connection)))
+        (when socket (prefetch-octets socket 8))
+        ;; The peer's address and port: two conses made at accept, before
+        ;; the set's own address, which every connection shares.
+        (when addresses (prefetch-octets addresses 32))))))
+
 (defun take-ready-connection (set token)
   "The parked connection TOKEN was reported for, now held by the caller; NIL
 when it is gone or another thread holds it.  A connection held by another
@@ -300,10 +316,6 @@ unread."
         (case (connection-state connection)
           (:parked (when (take-parked-connection connection)
                      (setf (connection-unread-p connection) t)
-                     ;; HUNCHENTOOT:PROCESS-CONNECTION's dispatch reads
-                     ;; the socket's class soon: its line is asked for now.
-                     (let ((socket (connection-usocket connection)))
-                       (when socket (prefetch-octets socket 8)))
                      (return connection)))
           (:active (when (compare-and-swap (connection-state connection) :active :notified)
                      (return nil)))
