@@ -252,6 +252,55 @@ should the second turn, or another thread's value replace it, in between."
     (is (null (hrt::header-text-octets unsafe)))
     (is (hrt::push-header-line :x unsafe (hrt::make-reply-head)) "a value with a CR not told")))
 
+(defun pushed-reply-head-text (head return-code headers &optional omitted)
+  "The head PUSH-REPLY-HEAD makes in HEAD for RETURN-CODE, HEADERS and the
+current reply's cookies, as a string."
+  (hrt::push-reply-head return-code headers head omitted)
+  (map 'string #'code-char (subseq (hrt::reply-head-octets head) 0 (hrt::reply-head-end head))))
+
+(test replies.remembered-head-copied-only-for-the-same-reply
+  ;; Each reply of the sequence is built in one kept head and in a new one:
+  ;; the same octets, whatever was kept from the reply before.
+  (let* ((ht:*reply* (make-instance 'ht:reply))
+         (date (hrt::date-header-value))
+         (close (hrt::connection-header-value :close))
+         (kept (hrt::make-reply-head))
+         (made '((200 ((:content-length . 4) (:date . :date) (:connection . :close)))
+                 (200 ((:content-length . 4) (:date . :date) (:connection . :close)))
+                 (200 ((:content-length . 5) (:date . :date) (:connection . :close)))
+                 (404 ((:content-length . 5) (:date . :date) (:connection . :close)))
+                 (404 ((:content-length . 5) (:date . :date)))
+                 (404 ((:content-length . 5) (:date . :date) (:x-extra . 7)))
+                 (404 ((:content-length . 5) (:date . :date) (:connection . nil)))
+                 (404 ((:content-length . 5) (:date . :copied-date)))
+                 (404 ((:content-length . 5) (:date . :date)) (:date))
+                 (404 ((:content-length . 5) (:date . :date)) () :cookie)
+                 (404 ((:content-length . 5) (:date . :date))))))
+    (loop for (code entries omitted cookie) in made
+          for number from 1
+          do (let ((headers (loop for (name . value) in entries
+                                  collect (cons name (case value
+                                                       (:date date)
+                                                       (:copied-date (copy-seq date))
+                                                       (:close close)
+                                                       (t value))))))
+               (setf (ht:cookies-out ht:*reply*) '())
+               (when cookie
+                 (ht:set-cookie "a" :value "b"))
+               (is (string= (pushed-reply-head-text (hrt::make-reply-head) code headers omitted)
+                            (pushed-reply-head-text kept code headers omitted))
+                   "reply ~D" number)))
+    ;; The second reply was the first's copied: nothing was kept anew.
+    (let ((headers (list (cons :content-length 4) (cons :date date))))
+      (pushed-reply-head-text kept 200 headers)
+      (let ((octets (hrt::reply-head-remembered-octets kept)))
+        (is-true octets "a head of made values not kept")
+        (pushed-reply-head-text kept 200 (copy-alist headers))
+        (is (eq octets (hrt::reply-head-remembered-octets kept)) "the same head built again")
+        ;; One not the engine's is neither kept nor copied.
+        (is (search "X-Mine: v" (pushed-reply-head-text kept 200 (list (cons :x-mine (copy-seq "v"))))))
+        (is (eq octets (hrt::reply-head-remembered-octets kept)) "a value not the engine's kept")))))
+
 (test replies.date-header-turns-with-the-second
   ;; Within a tick or two of the coarse clock the value names the new second.
   (let ((second (get-universal-time)))

@@ -218,6 +218,7 @@ SET started, and no worker."
        (ht:start-listening ,acceptor)
        (let ((,engine (hrt::taskmaster-engine-for (ht::acceptor-taskmaster ,acceptor)))
              (,port (usocket:get-local-port (hrt::acceptor-listen-socket ,acceptor))))
+         (declare (ignorable ,port))
          (unwind-protect
               (progn (hrt::engine-start ,engine)
                      (let ((,set (hrt::engine-readiness-set ,engine)))

@@ -55,14 +55,16 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
   "The SERVING of WORKER, a worker of ENGINE, for ENGINE's current run."
   (let* ((acceptor (engine-acceptor engine))
          (set (engine-readiness-set engine))
-         (server-name (acceptor-server-name acceptor)))
+         (server-name (acceptor-server-name acceptor))
+         (keep-alive-value (format nil "timeout=~D" (floor (acceptor-keep-alive-timeout acceptor)))))
     (%make-serving :engine engine :worker worker :set set :budget (readiness-set-memory-budget set)
                    :reply-batch (make-reply-batch set)
                    :acceptor acceptor
                    :buffer (make-array (head-buffer-bytes acceptor) :element-type '(unsigned-byte 8))
                    :constructors (engine-object-constructors engine)
                    :plain-streams-reset-p (engine-plain-streams-reset-p engine)
-                   :keep-alive-header-value (format nil "timeout=~D" (floor (acceptor-keep-alive-timeout acceptor)))
+                   :keep-alive-header-value keep-alive-value
+                   :keep-alive-header-octets (header-text-octets keep-alive-value)
                    :server-header-value server-name
                    :server-header-octets (and (stringp server-name) (header-text-octets server-name))
                    :counter-stripe (mod (atomic-increment (readiness-set-counting-workers set))

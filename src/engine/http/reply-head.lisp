@@ -10,7 +10,15 @@
 (defstruct (reply-head (:constructor make-reply-head
                             (&optional (octets (make-array 2048 :element-type '(unsigned-byte 8))))))
   (octets nil :type octets)
-  (end 0 :type fixnum))
+  (end 0 :type fixnum)
+  ;; The last head built whose every value the engine made or is a number,
+  ;; with no cookie and no header left out, kept to be copied whole for the
+  ;; next reply of the same return code and headers (REMEMBERED-HEAD-OCTETS):
+  ;; its return code (NIL until one is kept), a copy of its headers alist
+  ;; and its octets.
+  (remembered-code nil)
+  (remembered-headers '() :type list)
+  (remembered-octets nil))
 
 (declaim (inline room-for))
 (defun room-for (count head)
@@ -135,6 +143,31 @@ length; NIL when TEXT has a CR, LF or NUL."
   (let ((head (make-reply-head (make-array (length text) :element-type '(unsigned-byte 8)))))
     (unless (push-text text head)
       (reply-head-octets head))))
+
+;;; A head copied whole.
+
+(defun remembered-head-octets (head return-code headers)
+  "The octets of the head HEAD last kept (REMEMBER-HEAD) when it was built
+of RETURN-CODE and a headers alist of the same names and values, in the
+same order, as HEADERS; else NIL.  The values are compared by EQL: kept
+heads have only numbers and strings the engine made and never changes."
+  (declare (type reply-head head))
+  (let ((remembered (reply-head-remembered-headers head)))
+    (and (eql return-code (reply-head-remembered-code head))
+         (loop for entry in headers
+               always (and remembered
+                           (let ((kept (pop remembered)))
+                             (and (eq (car entry) (car kept)) (eql (cdr entry) (cdr kept))))))
+         (null remembered)
+         (reply-head-remembered-octets head))))
+
+(defun remember-head (head return-code headers)
+  "Keep the head just built in HEAD, of RETURN-CODE and HEADERS, to be
+copied whole for the next reply REMEMBERED-HEAD-OCTETS finds the same."
+  (declare (type reply-head head))
+  (setf (reply-head-remembered-code head) return-code
+        (reply-head-remembered-headers head) (copy-alist headers)
+        (reply-head-remembered-octets head) (subseq (reply-head-octets head) 0 (reply-head-end head))))
 
 ;;; Header values that would end their line early.
 

@@ -186,6 +186,23 @@ in place."
                    (:http/1.0 keep-alive-requested-p)))
             keep-alive-requested-p)))
 
+(sb-ext:define-load-time-global **connection-header-values**
+    (list (cons "Keep-Alive" (header-text-octets "Keep-Alive"))
+          (cons "Close" (header-text-octets "Close")))
+  "The Connection header values START-OUTPUT writes, for a kept-alive reply
+and a closing one, each with its octets: strings only the engine holds.")
+
+(defun connection-header-value (kind)
+  "The Connection header value of KIND, :KEEP-ALIVE or :CLOSE, as
+START-OUTPUT writes it (**CONNECTION-HEADER-VALUES**)."
+  (car (ecase kind
+         (:keep-alive (first **connection-header-values**))
+         (:close (second **connection-header-values**)))))
+
+(defun connection-header-value-octets (value)
+  "The octets of VALUE when it is one of CONNECTION-HEADER-VALUE's; else NIL."
+  (cdr (assoc value **connection-header-values** :test #'eq)))
+
 (defun set-connection-headers (request slot-reply)
   "Set the Connection and Keep-Alive headers and whether the connection
 ends after this reply, as START-OUTPUT does for a reply whose length is
@@ -198,13 +215,13 @@ known.  SLOT-REPLY: see SLOT-REPLY."
                         (or (not (eq (hunchentoot:server-protocol request) :http/1.1))
                             keep-alive-requested-p))
                (unless (reply-header :connection slot-reply)
-                 (setf (reply-header :connection slot-reply) "Keep-Alive"))
+                 (setf (reply-header :connection slot-reply) (connection-header-value :keep-alive)))
                (setf (reply-header :keep-alive slot-reply)
                      (if *serving*
                          (serving-keep-alive-header-value *serving*)
                          (format nil "timeout=~D" (hunchentoot:acceptor-read-timeout acceptor))))))
             ((not (reply-header-p :connection slot-reply))
-             (setf (reply-header :connection slot-reply) "Close"))))))
+             (setf (reply-header :connection slot-reply) (connection-header-value :close)))))))
 
 (defun set-server-and-date-headers (slot-reply)
   "Set the Server header, unless the handler set it to NIL, and the Date.

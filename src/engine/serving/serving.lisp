@@ -31,8 +31,10 @@
   ;; The engine's OBJECT-CONSTRUCTORS of this run.
   (constructors nil :type object-constructors :read-only t)
   ;; What the Keep-Alive header says: timeout= the whole seconds a
-  ;; kept-alive connection stays open (the acceptor's KEEP-ALIVE-TIMEOUT).
+  ;; kept-alive connection stays open (the acceptor's KEEP-ALIVE-TIMEOUT);
+  ;; and its octets (HEADER-TEXT-OCTETS).
   (keep-alive-header-value "" :type string :read-only t)
+  (keep-alive-header-octets nil :read-only t)
   ;; The acceptor's server name, asked once: Hunchentoot formats it anew at
   ;; every call.  And its octets (HEADER-TEXT-OCTETS).
   (server-header-value nil :read-only t)
