@@ -82,6 +82,30 @@ headers, method, URI, protocol; or the status code alone."
         (is (equal "example.org:8080" longer))
         (is (not (eq longer first)))))))
 
+;; The host a reused head remembers is not checked again: only a string it
+;; found valid may be remembered.
+(test head.a-reused-head-still-refuses-an-invalid-host
+  (let ((reused (hunchentoot-recycling-taskmaster::make-request-head)))
+    (flet ((status (&rest lines)
+             (let ((octets (apply #'head-octets (append lines (list "")))))
+               (destructuring-bind (status start line-end head-end) (scan-head octets)
+                 (declare (ignore status))
+                 (handler-case (progn (hunchentoot-recycling-taskmaster::parse-request-head
+                                       octets start line-end head-end nil reused)
+                                      :accepted)
+                   (hunchentoot-recycling-taskmaster::request-head-refused (condition)
+                     (hunchentoot-recycling-taskmaster::refused-status condition)))))))
+      (is (eq :accepted (status "GET / HTTP/1.1" "Host: example.org")))
+      (is (eql 400 (status "GET / HTTP/1.1" "Host: exa mple")) "another, invalid host")
+      (is (equal "example.org" (hunchentoot-recycling-taskmaster::request-head-host reused))
+          "a refused head leaves the valid host remembered")
+      (is (eq :accepted (status "GET / HTTP/1.1" "Host: example.org")))
+      (is (eql 400 (status "GET http://bad host/ HTTP/1.1" "Host: example.org"))
+          "an invalid absolute-form host beside the remembered one")
+      (is (eq :accepted (status "GET http://other.example/ HTTP/1.1" "Host: example.org")))
+      (is (equal "other.example" (hunchentoot-recycling-taskmaster::request-head-host reused)))
+      (is (eql 400 (status "GET / HTTP/1.1" "Host: other.example:x"))))))
+
 (test head.every-proper-prefix-is-incomplete
   (let ((octets (head-octets "GET / HTTP/1.1" "Host: x" "")))
     (is (loop for end from 0 below (length octets)

@@ -60,6 +60,10 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
     (%make-serving :engine engine :worker worker :set set :budget (readiness-set-memory-budget set)
                    :reply-batch (make-reply-batch set)
                    :acceptor acceptor
+                   :http2-p (acceptor-http2-p acceptor)
+                   :max-header-bytes (acceptor-max-header-bytes acceptor)
+                   :max-body-bytes (acceptor-max-body-bytes acceptor)
+                   :compression (acceptor-compression acceptor)
                    :buffer (make-array (head-buffer-bytes acceptor) :element-type '(unsigned-byte 8))
                    :constructors (engine-object-constructors engine)
                    :plain-streams-reset-p (engine-plain-streams-reset-p engine)

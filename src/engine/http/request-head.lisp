@@ -298,15 +298,17 @@ which this server does not decode (6.1)."
                (refuse-head 400))
               ((rest codings) (refuse-head 501)))))))
 
-(defun check-host (headers uri protocol)
+(defun check-host (headers uri protocol &optional valid-host)
   "HEADERS with the Host the request names: RFC 9112 3.2 refuses with 400 an
 HTTP/1.1 request without Host (a second Host is refused as it is read) or
 an invalid one; a target in absolute form names the host instead of the
-Host header (3.2.2)."
+Host header (3.2.2).  A Host value that is VALID-HOST itself, a string
+found valid before, is not checked again."
   (let ((host (assoc :host headers))
         (authority (absolute-form-authority uri)))
     (cond ((and (null host) (null authority) (eq protocol :http/1.1)) (refuse-head 400))
-          ((and host (not (valid-authority-p (cdr host)))) (refuse-head 400))
+          ((and host (not (eq (cdr host) valid-host)) (not (valid-authority-p (cdr host))))
+           (refuse-head 400))
           ((null authority) headers)
           ((not (valid-authority-p authority)) (refuse-head 400))
           (host (setf (cdr host) authority) headers)
@@ -327,8 +329,9 @@ an arriving body keeps it, is a copy."
   ;; The Host value of the last request parsed into this head, or NIL:
   ;; the next request naming the same host gets this string again rather
   ;; than a copy, as a client names one host at every request (80 bytes a
-  ;; request, bench/profiles/2026-11-28-per-core.txt).  Header values are
-  ;; only ever read, by Hunchentoot as by handlers.
+  ;; request, bench/profiles/2026-11-28-per-core.txt), and it is not
+  ;; checked again, as it was found valid.  Header values are only ever
+  ;; read, by Hunchentoot as by handlers.
   (host nil :type (or null simple-string)))
 
 (defmethod print-object ((head request-head) stream)
@@ -348,11 +351,11 @@ another HTTP version.  An invalid Range header is left out."
   (multiple-value-bind (method uri protocol)
       (parse-request-line buffer request-start (line-end-before-lf buffer request-start request-line-end) scratch)
     (let* ((blank-line-start (if (= (aref buffer (- head-end 2)) +cr+) (- head-end 2) (1- head-end)))
-           (headers (parse-header-lines buffer (1+ request-line-end) blank-line-start scratch
-                                        (and head (request-head-host head))))
+           (previous-host (and head (request-head-host head)))
+           (headers (parse-header-lines buffer (1+ request-line-end) blank-line-start scratch previous-host))
            (head (or head (make-request-head))))
       (check-message-framing headers protocol)
-      (setf (request-head-headers head) (without-invalid-range (check-host headers uri protocol))
+      (setf (request-head-headers head) (without-invalid-range (check-host headers uri protocol previous-host))
             (request-head-method head) method
             (request-head-uri head) uri
             (request-head-protocol head) protocol

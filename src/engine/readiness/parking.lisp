@@ -8,10 +8,11 @@
 (defun park-until (set connection deadline)
   "Park CONNECTION, which the caller holds, until bytes arrive or DEADLINE
 passes; close it instead when the pool is stopping or the descriptor cannot
-be armed."
-  (cond ((stopping-p set) (close-connection set connection))
-        ((park-connection set connection deadline)
-         ;; HUNCHENTOOT:STOP sets its flag, then closes what is parked.
+be armed.  Stopping is asked once, after parking: HUNCHENTOOT:STOP sets its
+flag, then closes what is parked, so a connection parked as it begins is
+closed by one or the other; asked before parking too, it was two more
+generic calls a request (bench/profiles/2026-12-04-settings-a-run.txt)."
+  (cond ((park-connection set connection deadline)
          (memory-barrier)
          (when (and (stopping-p set) (take-parked-connection connection))
            (close-connection set connection)))
@@ -27,8 +28,7 @@ pool is stopping."
                        (+ head-started (readiness-set-header-timeout set))
                        (+ now (readiness-set-keep-alive-timeout set)))))
     (setf (connection-timeout-status connection) (and head-started 408))
-    ;; The pool's stopping is PARK-UNTIL's to see, before and after it
-    ;; parks: asked here too, it was two more generic calls a request.
+    ;; The pool's stopping is PARK-UNTIL's to see, after it parks.
     (cond ((<= deadline now) (end-parked-connection set connection))
           (t
            (keep-pending-bytes connection buffer end (readiness-set-memory-budget set))

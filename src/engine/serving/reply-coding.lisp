@@ -86,7 +86,7 @@ compressors, as a new vector."
 (defun codable-reply-p (acceptor return-code content-type length)
   "True when a reply of ACCEPTOR with RETURN-CODE, CONTENT-TYPE and a body of
 LENGTH octets would be coded for a client that accepts a coding."
-  (and (acceptor-compression acceptor)
+  (and (reply-compression acceptor)
        (member return-code '(200 403 404))
        (>= length (acceptor-compression-min-bytes acceptor))
        (null (hunchentoot:header-out :content-encoding))
@@ -102,7 +102,7 @@ LENGTH octets would be coded for a client that accepts a coding."
 (defun reply-coding (request)
   "The (CODING . LEVEL) of the acceptor's :COMPRESSION that REQUEST's
 Accept-Encoding accepts first, or NIL."
-  (let ((levels (acceptor-compression hunchentoot:*acceptor*)))
+  (let ((levels (reply-compression hunchentoot:*acceptor*)))
     (assoc (accepted-coding (hunchentoot:header-in :accept-encoding request) (mapcar #'car levels))
            levels)))
 

@@ -19,7 +19,7 @@
   "Before a streamed reply's head is sent: whether it is coded from here on
 (CODE-STREAMED-REPLY), decided once."
   (when (and *serving* (not *deciding-reply-coding*)
-             (acceptor-compression hunchentoot:*acceptor*))
+             (serving-compression *serving*))
     (let ((*deciding-reply-coding* t))
       (code-streamed-reply hunchentoot:*request*))))
 

@@ -200,7 +200,7 @@ END octets having arrived in all, or begin reading its body."
                  (request-head-refused (condition)
                    (return-from answer-head (values :refuse (refused-status condition))))))
          (headers (request-head-headers head))
-         (max-body-bytes (acceptor-max-body-bytes acceptor))
+         (max-body-bytes (serving-max-body-bytes serving))
          (framing nil)
          (framing-refusal nil))
     (cond ((memory-budget-exceeded-p (serving-budget serving))
@@ -257,8 +257,8 @@ END octets having arrived in all, or begin reading its body."
 has sent so far, reading the bodies that follow their heads, until the
 connection has to wait or end: the outcome of the turn, never :NEXT."
   (let* ((buffer (serving-buffer serving))
-         (http2-p (acceptor-http2-p (serving-acceptor serving)))
-         (max-header-bytes (acceptor-max-header-bytes (serving-acceptor serving)))
+         (http2-p (serving-http2-p serving))
+         (max-header-bytes (serving-max-header-bytes serving))
          (end (take-pending-bytes connection buffer (serving-budget serving))))
     (case (send-rest-of-reply (serving-set serving) connection)
       (:would-block (return-from answer-arrived-requests (values :send-rest end)))

@@ -15,6 +15,15 @@
   (set nil :type readiness-set :read-only t)
   (budget nil :type memory-budget :read-only t)
   (acceptor nil :read-only t)
+  ;; The acceptor's settings the request cycle reads at every request,
+  ;; asked once a run as the buffer's size is (HEAD-BUFFER-BYTES): each
+  ;; was a generic call a request (bench/profiles/2026-12-04-settings-a-run.txt).
+  ;; ACCEPTOR-HTTP2-P, ACCEPTOR-MAX-HEADER-BYTES, ACCEPTOR-MAX-BODY-BYTES
+  ;; and ACCEPTOR-COMPRESSION.
+  (http2-p nil :read-only t)
+  (max-header-bytes 0 :type fixnum :read-only t)
+  (max-body-bytes nil :read-only t)
+  (compression nil :type list :read-only t)
   ;; Where heads are read and the next request's octets moved to.  It holds
   ;; other clients' octets: it is never an argument a handler's backtrace
   ;; could show.
@@ -98,6 +107,14 @@ was agreed, else NIL."
   "A worker's buffer takes the largest head allowed, with room to spare for
 pipelined requests."
   (max 32768 (+ +max-request-line-bytes+ (acceptor-max-header-bytes acceptor) 1024)))
+
+(defun reply-compression (acceptor)
+  "ACCEPTOR-COMPRESSION of ACCEPTOR, from the worker's SERVING when ACCEPTOR
+is its acceptor."
+  (let ((serving *serving*))
+    (if (and serving (eq acceptor (serving-acceptor serving)))
+        (serving-compression serving)
+        (acceptor-compression acceptor))))
 
 (defun default-access-log-p (acceptor)
   "True when the only HUNCHENTOOT:ACCEPTOR-LOG-ACCESS methods for ACCEPTOR
