@@ -161,6 +161,7 @@ sets them, the access log entry and the reading of an unread body as
 SEND-RESPONSE does.  Returns the REPLY-HEAD."
   (let ((head (if *serving* (serving-reply-head *serving*) (make-reply-head)))
         (slot-reply (slot-reply)))
+    (prefetch-remembered-head head)
     (set-connection-headers request slot-reply)
     (set-server-and-date-headers slot-reply)
     (setf (reply-header :content-length slot-reply) content-length)
