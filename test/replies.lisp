@@ -203,8 +203,11 @@ characters are base characters, and as a string with a fill pointer."
             (setf (slot-value request 'ht::headers-in) (and value (list (cons :connection value)))
                   (slot-value request 'ht::server-protocol) protocol)
             (flet ((truths (values) (mapcar (lambda (value) (and value t)) values)))
-              (is (equal (truths (multiple-value-list (ht::keep-alive-p request)))
-                         (truths (multiple-value-list (hrt::keep-alive-reply-p request))))
+              ;; Hunchentoot's two answers, then the protocol read for them.
+              (is (equal (append (truths (multiple-value-list (ht::keep-alive-p request))) (list protocol))
+                         (multiple-value-bind (keep-alive-p requested-p read-protocol)
+                             (hrt::keep-alive-reply-p request)
+                           (append (truths (list keep-alive-p requested-p)) (list read-protocol))))
                   "~S ~S persistent ~S" protocol value persistent))))))))
 
 (defun header-line-text (name value &optional value-octets)

@@ -118,7 +118,9 @@ entity tag made the coding's."
   "BODY (octets, or an ASCII string of REPLY-BODY's) as REQUEST's client
 gets it: coded as its Accept-Encoding accepts when CODABLE-REPLY-P, the
 headers set by MARK-CODED-REPLY, else BODY as it is."
+  ;; Without codings, the reply's content type is not asked for.
   (if (not (and *serving*
+                (serving-compression *serving*)
                 (codable-reply-p hunchentoot:*acceptor* return-code (hunchentoot:content-type*) (length body))))
       body
       (let ((coding (reply-coding request)))

@@ -175,16 +175,18 @@ the ends of VALUE is."
 (defun keep-alive-reply-p (request)
   "What Hunchentoot's KEEP-ALIVE-P answers for REQUEST: true unless its
 headers or the acceptor forbid a persistent connection; second value, true
-when the client asked for one explicitly.  Hunchentoot splits the
-Connection header with a regular expression on every request; this reads it
-in place."
+when the client asked for one explicitly; third, REQUEST's protocol.
+Hunchentoot splits the Connection header with a regular expression on every
+request; this reads it in place."
   (let* ((value (hunchentoot:header-in :connection request))
-         (keep-alive-requested-p (and value (connection-option-p value "keep-alive"))))
+         (keep-alive-requested-p (and value (connection-option-p value "keep-alive")))
+         (protocol (hunchentoot:server-protocol request)))
     (values (and (hunchentoot:acceptor-persistent-connections-p hunchentoot:*acceptor*)
-                 (case (hunchentoot:server-protocol request)
+                 (case protocol
                    (:http/1.1 (not (and value (connection-option-p value "close"))))
                    (:http/1.0 keep-alive-requested-p)))
-            keep-alive-requested-p)))
+            keep-alive-requested-p
+            protocol)))
 
 (sb-ext:define-load-time-global **connection-header-values**
     (list (cons "Keep-Alive" (header-text-octets "Keep-Alive"))
@@ -208,11 +210,11 @@ START-OUTPUT writes it (**CONNECTION-HEADER-VALUES**)."
 ends after this reply, as START-OUTPUT does for a reply whose length is
 known.  SLOT-REPLY: see SLOT-REPLY."
   (let ((acceptor hunchentoot:*acceptor*))
-    (multiple-value-bind (keep-alive-p keep-alive-requested-p) (keep-alive-reply-p request)
+    (multiple-value-bind (keep-alive-p keep-alive-requested-p protocol) (keep-alive-reply-p request)
       (cond (keep-alive-p
              (setf (finish-processing-connection-p) nil)
              (when (and (hunchentoot:acceptor-read-timeout acceptor)
-                        (or (not (eq (hunchentoot:server-protocol request) :http/1.1))
+                        (or (not (eq protocol :http/1.1))
                             keep-alive-requested-p))
                (unless (reply-header :connection slot-reply)
                  (setf (reply-header :connection slot-reply) (connection-header-value :keep-alive)))
