@@ -107,13 +107,13 @@ next replies have the same (REMEMBERED-HEAD-OCTETS): most replies of a
 second have the head of the one before, and building it was some 6% of a
 0 ms request's user time (bench/profiles/2026-12-04-remembered-heads.txt)."
   (let* ((cookies (hunchentoot:cookies-out*))
-         (remembered (and (null omitted) (null cookies)
-                          (remembered-head-octets head return-code headers))))
+         (whole-p (and (null omitted) (null cookies)))
+         (remembered (and whole-p (remembered-head-octets head return-code headers))))
     (setf (reply-head-end head) 0)
     (if remembered
         (progn (push-octets remembered head) nil)
         (let ((unsafe-p nil)
-              (rememberable (and (null omitted) (null cookies))))
+              (rememberable whole-p))
           (push-octets (status-line return-code) head)
           (loop for (name . value) in headers
                 when (and value (not (member name omitted)))
