@@ -246,6 +246,7 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "websockets")
                (:file "threaded-floor")
                (:file "engine-floor")
+               (:file "protocol-floor")
                (:file "scheduling")
                (:file "events")
                (:file "per-core")

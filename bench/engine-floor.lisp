@@ -76,14 +76,9 @@ then the connection parked or closed, as ours' own method does."
   (loop (sleep 3600)))
 
 (defun launch-engine-floor (port delay-ms core log-file)
-  "Start the engine floor from CORE in a process of its own, on
-*SERVER-PROCESSORS*; its process-info.  It has no handler to delay."
+  "Start the engine floor (LAUNCH-FLOOR).  It has no handler to delay."
   (assert (zerop delay-ms) () "The engine floor answers 0 ms cells only.")
-  (uiop:launch-program
-   (pinned-command
-    (list "sbcl" "--core" core "--noinform" "--non-interactive" "--disable-debugger"
-          "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench::serve-engine-floor ~D)" port)))
-   :output log-file :error-output :output :if-output-exists :supersede))
+  (launch-floor (format nil "(hunchentoot-recycling-taskmaster-bench::serve-engine-floor ~D)" port) core log-file))
 
 (defparameter *engine-floor-server*
   (list :name "engine-floor" :label "engine floor (ours without Hunchentoot's protocol)"

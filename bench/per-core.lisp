@@ -12,9 +12,12 @@
 ;;;; floor.lisp, pinned as the others) says what threads that each take one
 ;;;; connection per epoll_wait can do, at 0 ms and at 1 ms; the engine
 ;;;; floor (bench/engine-floor.lisp) what ours' engine does at 0 ms before
-;;;; Hunchentoot's protocol is run.  Ours' fraction of another server is
-;;;; the median of each round's fraction, its two servers measured seconds
-;;;; apart: the machine's speed drifts more between rounds
+;;;; Hunchentoot's protocol is run; the protocol floor (bench/protocol-
+;;;; floor.lisp) what that protocol leaves of the threaded floor at 1 ms,
+;;;; both floors loaded at the same moment each round: a bound on ours.
+;;;; Ours' fraction of another server is the median of each round's
+;;;; fraction, its two servers measured seconds apart: the machine's speed
+;;;; drifts more between rounds
 ;;;; (bench/profiles/2026-11-29-costs-per-request.txt).
 ;;;; `bench/run per-core` measures it alone; `make bench` ends with it.
 
@@ -36,8 +39,10 @@ server's own on a machine of one.")
     (:name "0ms close c100" :connections 100 :close t :servers ("parallel" "nginx" "woo"))
     (:name "0ms 16 pipelined c100" :connections 100 :pipeline 16 :servers ("parallel" "nginx" "woo"))
     (:name "session c100" :connections 100 :path "/app/counter" :cookie t :servers ("parallel"))
-    (:name "1ms keep-alive c100" :connections 100 :delay-ms 1 :servers ("parallel" "nginx" "threaded-floor"))
-    (:name "1ms keep-alive c1000" :connections 1000 :delay-ms 1 :servers ("parallel" "nginx" "threaded-floor")))
+    (:name "1ms keep-alive c100" :connections 100 :delay-ms 1
+     :servers ("parallel" "nginx" "threaded-floor" "protocol-floor"))
+    (:name "1ms keep-alive c1000" :connections 1000 :delay-ms 1
+     :servers ("parallel" "nginx" "threaded-floor" "protocol-floor")))
   "Each cell of the per-core table: its name, wrk's connections, the
 handler's delay, :CLOSE for one request per connection, :PIPELINE for that
 many requests in each write, :PATH (/yo unless given), :COOKIE for a
@@ -50,18 +55,24 @@ on it.")
   "The fraction of another server's requests/s that ours should reach in a
 cell of the per-core table: the cell, the other server, the fraction.")
 
+(defparameter *per-core-limit-cell* "1ms keep-alive c1000"
+  "The cell whose target against the threaded floor the protocol floor
+bounds (MEASURE-PROTOCOL-FLOOR-LIMIT).")
+
 (defparameter *per-core-session-target* 0.6
   "The fraction of ours' plain handler's requests/s that its session cell
 should reach.")
 
 (defun per-core-servers (woo)
   "The servers of the per-core table: ours, nginx with one worker, WOO (a
-built peer, or NIL) with one worker, the threaded floor and the engine floor."
+built peer, or NIL) with one worker, and the threaded, engine and protocol
+floors."
   (remove nil (list (list :name "parallel" :label "parallel-easy-acceptor" :lisp :parallel)
                     (list :name "nginx" :label "nginx, 1 worker" :nginx t :workers 1)
                     (and woo (list* :workers 1 :label "Woo, 1 worker" woo))
                     *threaded-floor-server*
-                    *engine-floor-server*)))
+                    *engine-floor-server*
+                    *protocol-floor-server*)))
 
 (defun per-core-wrk-script (directory &key cookie pipeline)
   "A wrk Lua script in DIRECTORY that adds COOKIE to each request and
@@ -164,11 +175,13 @@ minute, and a round's two servers ran seconds apart."
   (format nil "~A~:[~; (~A-~A)~]" (ratio-text (median-ratio ratios)) (rest ratios)
           (ratio-text (reduce #'min ratios)) (ratio-text (reduce #'max ratios))))
 
-(defun per-core-summary (cells measured same-moment servers rounds seconds)
+(defun per-core-summary (cells measured same-moment limits servers rounds seconds)
   "The markdown report of CELLS ((cell name, server name) -> median figures)
 and, round by round, ours' fractions of the others (PAIRED-RATIOS of
-MEASURED) and ours' session cell over its plain handler at the same moment
-(SAME-MOMENT, each round's figures of MEASURE-SESSION-AT-SAME-MOMENT)."
+MEASURED), ours' session cell over its plain handler at the same moment
+(SAME-MOMENT, each round's figures of MEASURE-SESSION-AT-SAME-MOMENT) and
+the protocol floor over the threaded floor at the same moment (LIMITS, each
+round's figures of MEASURE-PROTOCOL-FLOOR-LIMIT)."
   (with-output-to-string (out)
     (format out "Per core: each server pinned to processor ~A alone (nginx and Woo with one worker, ours with ~
                  its pool), wrk -t1 pinned to processor ~A; the median of ~D round~:P of ~D s a cell.  ~
@@ -223,6 +236,16 @@ MEASURED) and ours' session cell over its plain handler at the same moment
                                 "failed"
                                 (format nil "~{~,1F~^ / ~}" (mapcar (lambda (f) (getf f :server-us)) figures))))
                           same-moment))))
+      (let ((bounds (remove nil (mapcar #'same-moment-ratio limits)))
+            (target (third (find *per-core-limit-cell* *per-core-targets* :key #'first :test #'string=))))
+        (when bounds
+          (format out "~%The protocol floor over the threaded floor in ~A at the same moment (both pinned to ~
+                       processor ~A, each loaded by a wrk of its own), requests per processor second: ~A: what ~
+                       answering through Hunchentoot's protocol leaves of the threaded floor.  Ours does that work ~
+                       and more, so this bounds ours' fraction of the threaded floor; its target, ~A, is ~
+                       ~:[above~;within~] the bound.~%"
+                  *per-core-limit-cell* *per-core-server-processors* (ratios-text bounds) target
+                  (<= target (median-ratio bounds)))))
       (when consed
         (format out "~%Bytes consed a kept-alive request by ours (0 ms, c100, the whole process): ~D, of which ~D ~
                      are Hunchentoot's request and reply objects: ~D beyond them.~%"
@@ -240,7 +263,8 @@ request of every cell with a 2xx."
          (servers (per-core-servers (and woo-peer (build-peer-core woo-peer (namestring work)))))
          (measured (make-hash-table :test #'equal))
          (cells (make-hash-table :test #'equal))
-         (same-moment '()))
+         (same-moment '())
+         (limits '()))
     (unless woo-peer
       (announce-missing-peers))
     (unwind-protect
@@ -260,10 +284,14 @@ request of every cell with a 2xx."
                   (finish-output)
                   (push (measure-session-at-same-moment (first servers) :seconds seconds :core core
                                                                         :directory work)
-                        same-moment))
+                        same-moment)
+                  (format t "~&Per core, round ~D of ~D: the threaded and protocol floors in ~A at the same moment~%"
+                          round rounds *per-core-limit-cell*)
+                  (finish-output)
+                  (push (measure-protocol-floor-limit :seconds seconds :core core :directory work) limits))
       (uiop:delete-directory-tree work :validate t :if-does-not-exist :ignore))
     (maphash (lambda (key rounds) (setf (gethash key cells) (median-cell rounds))) measured)
-    (write-suite-report (per-core-summary cells measured (reverse same-moment) servers rounds seconds)
+    (write-suite-report (per-core-summary cells measured (reverse same-moment) (reverse limits) servers rounds seconds)
                         "per-core" directory)
     (and (loop for key being the hash-keys of cells using (hash-value figures)
                always (or (string/= (second key) "parallel")

@@ -25,23 +25,25 @@ Date, Server and Keep-Alive headers."
 
 (defparameter *floor-close-request-marker* (flex:string-to-octets "Connection: close" :external-format :latin-1))
 
-(defun serve-floor-connection (epoll-fd fd buffer delay keep-alive-reply close-reply)
-  "Answer the request that arrived on FD, then arm FD again, or close it."
+(defun serve-floor-connection (epoll-fd fd buffer answer keep-alive-reply close-reply)
+  "Answer the request that arrived on FD: call ANSWER with BUFFER and the
+count of octets read into it, send the fixed reply, then arm FD again, or
+close it."
   (let ((count (hrt::receive-available fd buffer 0 (length buffer))))
     (if (not (and (integerp count) (plusp count)))
         (unless (eq count :would-block)
           (hrt::close-fd fd))
         (let ((close (search *floor-close-request-marker* buffer :end2 count)))
-          (when delay
-            (sleep delay))
+          (funcall answer buffer count)
           (let ((reply (if close close-reply keep-alive-reply)))
             (hrt::send-octets fd reply 0 (length reply)))
           (if close
               (hrt::close-fd fd)
               (hrt::epoll-rearm epoll-fd fd fd))))))
 
-(defun run-floor-thread (epoll-fd listen-fd delay)
-  "One thread of the floor: wait on EPOLL-FD, accept or answer, forever."
+(defun run-floor-thread (epoll-fd listen-fd answer)
+  "One thread of a floor: wait on EPOLL-FD, accept, or answer with ANSWER
+(SERVE-FLOOR-CONNECTION), forever."
   (let ((buffer (make-array 4096 :element-type '(unsigned-byte 8)))
         (keep-alive-reply (floor-reply nil))
         (close-reply (floor-reply t)))
@@ -53,21 +55,20 @@ Date, Server and Keep-Alive headers."
                      while fd
                      do (hrt::epoll-watch epoll-fd fd fd :trigger :one-shot))
                (hrt::epoll-rearm epoll-fd listen-fd listen-fd))
-              (t (serve-floor-connection epoll-fd token buffer delay keep-alive-reply close-reply)))))))
+              (t (serve-floor-connection epoll-fd token buffer answer keep-alive-reply close-reply)))))))
 
-(defun serve-threaded-floor (port &key (delay-ms 0) (thread-count (hrt::default-max-thread-count)))
-  "Serve the threaded floor on 127.0.0.1:PORT with THREAD-COUNT threads
-(Hunchentoot's default thread limit, which ours keeps), each handler
-sleeping DELAY-MS, until killed."
+(defun serve-floor (port name make-answer thread-count)
+  "Serve a floor on 127.0.0.1:PORT with THREAD-COUNT threads named after
+NAME, each answering requests with the function MAKE-ANSWER makes for it
+(RUN-FLOOR-THREAD), until killed."
   (let* ((listen-socket (hrt::listen-on #(127 0 0 1) port 511))
          (listen-fd (hrt::socket-file-descriptor listen-socket))
-         (epoll-fd (hrt::make-epoll-set))
-         (delay (and (plusp delay-ms) (/ delay-ms 1000))))
+         (epoll-fd (hrt::make-epoll-set)))
     (hrt::set-non-blocking listen-socket)
     (hrt::epoll-watch epoll-fd listen-fd listen-fd :trigger :one-shot)
     (dotimes (index thread-count)
-      (bt:make-thread (lambda () (run-floor-thread epoll-fd listen-fd delay))
-                      :name (format nil "threaded floor ~D" index)))
+      (bt:make-thread (lambda () (run-floor-thread epoll-fd listen-fd (funcall make-answer)))
+                      :name (format nil "~A ~D" name index)))
     ;; The threads know the listening socket by its descriptor only: were
     ;; the socket collected, its finalizer would close that descriptor
     ;; under them (accept4 then fails with EBADF and the floor ends, as it
@@ -75,17 +76,35 @@ sleeping DELAY-MS, until killed."
     (unwind-protect (loop (sleep 3600))
       (usocket:socket-close listen-socket))))
 
+(defun serve-threaded-floor (port &key (delay-ms 0) (thread-count (hrt::default-max-thread-count)))
+  "Serve the threaded floor on 127.0.0.1:PORT with THREAD-COUNT threads
+(Hunchentoot's default thread limit, which ours keeps), each handler
+sleeping DELAY-MS, until killed."
+  (let ((delay (and (plusp delay-ms) (/ delay-ms 1000))))
+    (serve-floor port "threaded floor"
+                 (lambda ()
+                   (lambda (buffer count)
+                     (declare (ignore buffer count))
+                     (when delay
+                       (sleep delay))))
+                 thread-count)))
+
 ;;; Measured beside ours and nginx.
 
-(defun launch-threaded-floor (port delay-ms core log-file)
-  "Start the threaded floor from CORE in a process of its own, on
-*SERVER-PROCESSORS*; its process-info."
+(defun launch-floor (form core log-file)
+  "Start a floor from CORE in a process of its own, on *SERVER-PROCESSORS*,
+serving by FORM (a string); its process-info."
   (uiop:launch-program
    (pinned-command
     (list "sbcl" "--core" core "--noinform" "--non-interactive" "--disable-debugger"
-          "--eval" (format nil "(hunchentoot-recycling-taskmaster-bench::serve-threaded-floor ~D :delay-ms ~D)"
-                           port delay-ms)))
+          "--eval" form))
    :output log-file :error-output :output :if-output-exists :supersede))
+
+(defun launch-threaded-floor (port delay-ms core log-file)
+  "Start the threaded floor (LAUNCH-FLOOR)."
+  (launch-floor (format nil "(hunchentoot-recycling-taskmaster-bench::serve-threaded-floor ~D :delay-ms ~D)"
+                        port delay-ms)
+                core log-file))
 
 (defparameter *threaded-floor-server*
   (list :name "threaded-floor"
