@@ -5,11 +5,12 @@
 ;;;; HUNCHENTOOT:HANDLE-REQUEST with *REPLY* and *SESSION* bound, the
 ;;;; reply's status, headers and body length read -- then the floor's fixed
 ;;;; reply sent.  No pool, no readiness engine, no reply head built, no
-;;;; log.  It is what a drop-in server must do beyond the threaded floor
-;;;; however its threads are managed: a bound on ours' fraction of the
-;;;; threaded floor with 1 ms handlers, which the per-core table measures
-;;;; with both floors loaded at the same moment (PROTOCOL-FLOOR-LIMIT in
-;;;; per-core.lisp).  Its acceptor is never started: its easy handlers are
+;;;; log.  It is what a drop-in server must do beyond the threaded floor,
+;;;; on the floor's threads: a bound on ours' fraction of the threaded
+;;;; floor with 1 ms handlers, to within the epoll_ctl a request that ours'
+;;;; edge-triggered parking saves, which the per-core table measures with
+;;;; both floors loaded at the same moment (MEASURE-PROTOCOL-FLOOR-LIMIT in
+;;;; same-moment.lisp).  Its acceptor is never started: its easy handlers are
 ;;;; found through ours' index, Hunchentoot's dispatch their fallback.
 ;;;;
 ;;;; It answers as the threaded floor does: each read one whole GET.
