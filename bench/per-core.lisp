@@ -55,6 +55,12 @@ on it.")
   "The fraction of another server's requests/s that ours should reach in a
 cell of the per-core table: the cell, the other server, the fraction.")
 
+(defun per-core-target (cell-name server-name)
+  "The fraction of SERVER-NAME's requests/s ours should reach in the cell
+CELL-NAME (*PER-CORE-TARGETS*), or NIL."
+  (third (find-if (lambda (target) (and (string= (first target) cell-name) (string= (second target) server-name)))
+                  *per-core-targets*)))
+
 (defparameter *per-core-limit-cell* "1ms keep-alive c1000"
   "The cell whose target against the threaded floor the protocol floor
 bounds (MEASURE-PROTOCOL-FLOOR-LIMIT).")
@@ -209,9 +215,7 @@ round's figures of MEASURE-PROTOCOL-FLOOR-LIMIT)."
     (dolist (cell *per-core-cells*)
       (dolist (server-name (rest (getf cell :servers)))
         (let ((ratios (paired-ratios measured (getf cell :name) server-name))
-              (target (third (find-if (lambda (target) (and (string= (first target) (getf cell :name))
-                                                             (string= (second target) server-name)))
-                                      *per-core-targets*))))
+              (target (per-core-target (getf cell :name) server-name)))
           (when ratios
             (format out "| ~A | ~A | ~A | ~:[-~;~:*~A~] |~%" (getf cell :name) server-name (ratios-text ratios)
                     (and target (format nil "~A ~:[below~;ok~]" target (>= (median-ratio ratios) target))))))))
@@ -237,7 +241,7 @@ round's figures of MEASURE-PROTOCOL-FLOOR-LIMIT)."
                                 (format nil "~{~,1F~^ / ~}" (mapcar (lambda (f) (getf f :server-us)) figures))))
                           same-moment))))
       (let ((bounds (remove nil (mapcar #'same-moment-ratio limits)))
-            (target (third (find *per-core-limit-cell* *per-core-targets* :key #'first :test #'string=))))
+            (target (per-core-target *per-core-limit-cell* "threaded-floor")))
         (when bounds
           (format out "~%The protocol floor over the threaded floor in ~A at the same moment (both pinned to ~
                        processor ~A, each loaded by a wrk of its own), requests per processor second: ~A: what ~

@@ -99,11 +99,11 @@ on both (bench/profiles/2026-12-02-session-at-the-same-moment.txt)."
 table's *PER-CORE-LIMIT-CELL*, both loaded at the same moment
 (MEASURE-SAME-MOMENT-CELL): the protocol floor's requests per processor
 second over the threaded floor's bounds ours' fraction of the threaded
-floor there.  Measured one after the other, that ratio moved 0.70-1.43 in
-four rounds; at the same moment 0.84-0.86 in six
-(bench/profiles/2026-12-04-protocol-floor.txt).  Ours cannot be measured
-so against a floor: both take the processor by threads, and a floor's
-hundred always-waiting threads leave ours' pool a smaller share."
+floor there.  At the same moment, as the two floors' ratio moves far less
+than one after the other (bench/profiles/2026-12-04-protocol-floor.txt).
+Ours cannot be measured so against a floor: both take the processor by
+threads, and a floor's hundred always-waiting threads leave ours' pool a
+smaller share."
   (let ((cell (find *per-core-limit-cell* *per-core-cells* :key (lambda (cell) (getf cell :name)) :test #'string=)))
     (measure-same-moment-cell (list *threaded-floor-server* *protocol-floor-server*) (list cell cell)
                               :seconds seconds :core core :directory directory)))
