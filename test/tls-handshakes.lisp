@@ -135,6 +135,29 @@ it to end."
         (is (= 1 *connection-streams-made*) "its INITIALIZE-CONNECTION-STREAM method made the stream")
         (is (zerop (stats server :tls-handshakes)))))))
 
+(test tls-handshake.stop-cuts-a-handshake-the-acceptors-own-method-waits-on
+  ;; That method waits on its client outside any request, for as long as
+  ;; the read timeout, which here outlasts STOP's own.
+  (dolist (soft '(t nil))
+    (with-thread-leak-check ()
+      (multiple-value-bind (certificate key) (certificate-files)
+        (setf *connection-streams-made* 0)
+        (let* ((server (make-server 'own-stream-ssl-acceptor
+                                    :ssl-certificate-file certificate :ssl-privatekey-file key
+                                    :defer-accept nil :read-timeout 600 :write-timeout 600
+                                    :taskmaster (make-instance 'recycling-taskmaster :stop-timeout 4)))
+               (socket (progn (ht:start server) (connect server))))
+          (unwind-protect
+               (progn
+                 (write-sequence *half-client-hello* (usocket:socket-stream socket))
+                 (finish-output (usocket:socket-stream socket))
+                 (is (wait-until (lambda () (= 1 *connection-streams-made*))))
+                 (is (eq :stopped (handler-case (progn (ht:stop server :soft soft) :stopped)
+                                    (error (condition) condition)))
+                     "~:[hard~;soft~] STOP ends within its timeout" soft)
+                 (is-true (closed-by-server-p socket) "~:[hard~;soft~] STOP closes the connection" soft))
+            (usocket:socket-close socket)))))))
+
 (test tls-handshake.key-that-does-not-load-fails-start
   ;; Hunchentoot would only find out at the first connection, in a worker.
   (with-thread-leak-check ()

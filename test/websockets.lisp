@@ -34,10 +34,25 @@
 
 (defvar *chat* (make-instance 'chat-websocket-resource))
 
+(defclass slow-echo-websocket-resource (ws:websocket-resource) ()
+  (:documentation "Each text message back to its sender a moment after it
+came, the handler's start told by *SLOW-ECHO-STARTED*."))
+
+(defvar *slow-echo-started* (sb-thread:make-semaphore)
+  "Signalled as a slow echo's handler begins.")
+
+(defmethod ws:text-message-received ((resource slow-echo-websocket-resource) client message)
+  (sb-thread:signal-semaphore *slow-echo-started*)
+  (sleep 0.2)
+  (ws:send-text-message client message))
+
+(defvar *slow-echo* (make-instance 'slow-echo-websocket-resource))
+
 (defun find-test-resource (request)
   (let ((path (ht:script-name request)))
     (cond ((string= path "/echo") *echo*)
-          ((string= path "/chat") *chat*))))
+          ((string= path "/chat") *chat*)
+          ((string= path "/slow-echo") *slow-echo*))))
 
 (pushnew 'find-test-resource ws:*websocket-dispatch-table*)
 
@@ -475,10 +490,30 @@ frames; :NONE for a close without a code; NIL when none came."
                  (is (every #'identity sockets))
                  (send-frame (first sockets) 1 "x")
                  (is (equal "x" (read-text (first sockets))))
+                 ;; A soft STOP also lets a handshake under way end; a hard
+                 ;; one cuts it as any request in flight.
+                 (unless soft
+                   (is (wait-until (lambda () (eql 5 (stats server :open-websockets))))))
                  (ht:stop server :soft soft)
                  (is (every (lambda (socket) (eql 1001 (read-close socket))) sockets)
                      "~:[hard~;soft~] STOP: a close frame 1001 on each" soft))
             (mapc #'usocket:socket-close (remove nil sockets))))))))
+
+(test websockets.stop-lets-a-running-handler-answer-then-closes-with-1001
+  (dolist (soft '(t nil))
+    (with-thread-leak-check ()
+      (let ((server (websocket-server)))
+        (ht:start server)
+        (let ((socket (open-websocket server "/slow-echo")))
+          (unwind-protect
+               (progn
+                 (is-true socket)
+                 (send-frame socket 1 "late")
+                 (is-true (sb-thread:wait-on-semaphore *slow-echo-started* :timeout 10))
+                 (ht:stop server :soft soft)
+                 (is (equal "late" (read-text socket)) "~:[hard~;soft~] STOP: the handler's answer arrives" soft)
+                 (is (eql 1001 (read-close socket)) "~:[hard~;soft~] STOP: then the close frame" soft))
+            (when socket (usocket:socket-close socket))))))))
 
 (test websockets.clients-opening-and-closing-leak-nothing
   (with-server (server (websocket-server))

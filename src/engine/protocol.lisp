@@ -59,6 +59,13 @@ WORKER unwinds by itself, in Lisp.  Does nothing when WORKER holds no
 connection.  Never interrupts WORKER's thread: a handler that computes or
 sleeps goes on until it next touches its connection."))
 
+(defgeneric engine-cut-handshake (engine worker)
+  (:documentation "ENGINE-CUT-CONNECTION when the connection WORKER holds has
+no stream yet: its TLS handshake is under way, perhaps inside the
+acceptor's own HUNCHENTOOT:INITIALIZE-CONNECTION-STREAM, which waits on the
+client outside any request, and a stopping pool would close it unanswered
+anyway.  Does nothing otherwise."))
+
 (defgeneric engine-work-waiting-p (engine)
   (:documentation "True when ENGINE has something ready to serve that no
 worker has taken yet.  Asked by the thread-making thread while no worker

@@ -174,6 +174,14 @@ on the listening socket, or a parked one."
 (defmethod engine-cut-connection ((engine readiness-engine) worker)
   (call-with-held-connection worker (lambda (connection) (shut-down-fd (connection-fd connection)))))
 
+(defmethod engine-cut-handshake ((engine readiness-engine) worker)
+  ;; Read from another thread than the holder's, the stream may be made
+  ;; just after: the cut then ends a connection whose request, if one
+  ;; comes, the stopping pool would not start.
+  (call-with-held-connection worker (lambda (connection)
+                                      (unless (connection-stream connection)
+                                        (shut-down-fd (connection-fd connection))))))
+
 (defmethod engine-work-waiting-p ((engine readiness-engine))
   ;; An epoll descriptor polls readable while it has events to report.
   (let ((set (engine-readiness-set engine)))

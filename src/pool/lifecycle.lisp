@@ -82,13 +82,21 @@ that they all wait: under load some already serve.  POOL-LOCK held."
     (condition-broadcast (resting-wakeup taskmaster))
     (notify-pool-changed taskmaster)))
 
-(defun cut-connections (taskmaster &key spare-requests-p)
-  "Cut the connection of every worker that holds one; with SPARE-REQUESTS-P,
-not of those inside a request."
+(defun cut-waits-on-clients (taskmaster &key spare-requests-p)
+  "Cut what each worker waits on its client for: the TLS handshake under
+way on the connection it holds, and, unless SPARE-REQUESTS-P, the request
+in flight, whose handler may read or write its connection.  A worker
+holding a connection otherwise is left to end its turn: the engine's code
+there never waits on a client, and a websocket's handler, which a cut
+would not stop either, would then find its client cut off before its close
+frame; the connection is closed as STOP closes every connection once that
+worker parks it or lets go of it.  A worker entering a request once the
+pool is stopping does not start it (NOTE-REQUEST-STARTED)."
   (let ((engine (taskmaster-engine taskmaster)))
     (dolist (worker (with-pool-lock (taskmaster) (copy-list (pool-workers taskmaster))))
-      (unless (and spare-requests-p (eq (worker-state worker) :in-request))
-        (engine-cut-connection engine worker)))))
+      (if (and (eq (worker-state worker) :in-request) (not spare-requests-p))
+          (engine-cut-connection engine worker)
+          (engine-cut-handshake engine worker)))))
 
 (defun join-within (taskmaster threads deadline)
   "Join each of THREADS by DEADLINE (with a moment's grace for threads that
@@ -116,9 +124,9 @@ connections when it is hard, or when the time is up), and join every thread."
     (engine-wake-workers engine)
     (engine-close-idle-connections engine)
     (when (soft-stop-p taskmaster)
-      (cut-connections taskmaster :spare-requests-p t)
+      (cut-waits-on-clients taskmaster :spare-requests-p t)
       (wait-for-pool taskmaster (lambda () (zerop (in-request-count taskmaster))) deadline))
-    (cut-connections taskmaster)
+    (cut-waits-on-clients taskmaster)
     (unless (wait-for-pool taskmaster (lambda () (null (pool-workers taskmaster))) deadline)
       (signal-corrupted taskmaster (format nil "~D worker threads did not end within ~A seconds of STOP."
                                            (length (pool-workers taskmaster))
