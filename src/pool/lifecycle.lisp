@@ -112,7 +112,8 @@ does not end."
 (defmethod hunchentoot:shutdown ((taskmaster recycling-taskmaster))
   "End the pool within STOP-TIMEOUT: stop taking work, close idle
 connections, let requests in flight finish when the stop is soft (cut their
-connections when it is hard, or when the time is up), and join every thread."
+connections when it is hard, or when the time is up), cut TLS handshakes
+under way, and join every thread."
   (shut-down-by taskmaster (deadline-in (taskmaster-stop-timeout taskmaster))))
 
 (defun shut-down-by (taskmaster deadline)
