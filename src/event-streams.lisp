@@ -60,8 +60,9 @@ the blank line that ends it."
     (terpri out)))
 
 (defun event-octets (budget data &key event id retry)
-  "The COUNTED-OCTETS of an event, taken from BUDGET, held once for the
-caller; NIL when BUDGET has no room.  Signals EVENT-FIELD-REFUSED for an
+  "The COUNTED-OCTETS of an event, taken from BUDGET, held once, by the
+caller, who lets go of them once it has offered them; NIL when BUDGET has
+no room.  Signals EVENT-FIELD-REFUSED for an
 EVENT or ID with a line break or NUL."
   (check-type data string)
   (when event (check-event-field :event (string event)))
@@ -71,7 +72,6 @@ EVENT or ID with a line break or NUL."
          (counted (make-counted-octets budget (utf-8-length text))))
     (when counted
       (encode-utf-8-into text (counted-octets-octets counted) 0)
-      (hold-counted-octets counted)
       counted)))
 
 (defun offer-event (stream counted)

@@ -132,6 +132,30 @@ same message unchanged; NIL when BUDGET has no room."
                     (let-go-of-counted-octets (fourth old))))))
             frame)))))
 
+(defun forget-idle-message-frames ()
+  "Let go of the frames *LAST-MESSAGE-FRAME* and *LAST-DEFLATED-FRAME* keep
+when no queue holds them any more: kept for the next send of their
+message, they are counted in a memory budget, which is to hold nothing
+once nothing is open."
+  (flet ((forget (symbol frame-of)
+           (let ((entry (symbol-value symbol)))
+             (when (and entry (= 1 (counted-octets-holders (funcall frame-of entry)))
+                        (compare-and-swap (symbol-value symbol) entry nil))
+               (let-go-of-counted-octets (funcall frame-of entry))))))
+    (forget '*last-message-frame* #'cdr)
+    (forget '*last-deflated-frame* #'fourth)))
+
+;;; Kept frames are let go of at every maintenance once idle, and at the
+;;; end of a run, whose connections, closed, hold none.
+(defmethod engine-maintain :after ((engine readiness-engine))
+  (forget-idle-message-frames))
+
+(defmethod engine-finish :after ((engine readiness-engine))
+  (forget-idle-message-frames))
+
+(defmethod engine-abandon :after ((engine readiness-engine))
+  (forget-idle-message-frames))
+
 (defun websocket-frame (websocket opcode message budget)
   "The frame of OPCODE carrying MESSAGE for WEBSOCKET: compressed when
 permessage-deflate was agreed and the message is a text or binary one of

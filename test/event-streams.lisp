@@ -226,3 +226,124 @@ blank line that ends it; NIL at the end of the stream or after TIMEOUT."
   (signals message-too-long (publish "anywhere" (make-string (1+ (* 1024 1024)) :initial-element #\x)))
   (signals event-field-refused (publish "anywhere" "x" :event (format nil "a~%b")))
   (is (eql 0 (publish "anywhere" "to nobody"))))
+
+;;; The memory budget's books: an event is counted once and given back once
+;;; written, whatever its size and however many streams it goes to.
+
+(defstruct (octets-reader (:constructor make-octets-reader (socket)))
+  "What has been read of a socket so far (START-OCTETS-READERS)."
+  socket
+  (octets 0)
+  ;; Events and comments: the blank lines that end them.
+  (events 0)
+  (last 0)
+  (ended-p nil))
+
+(defun read-available (reader buffer)
+  "Read what READER's socket, non-blocking, has now, counting it; true when
+something came.  At its end, READER is marked ended."
+  (multiple-value-bind (octets count)
+      (handler-case (sb-bsd-sockets:socket-receive (usocket:socket (octets-reader-socket reader)) buffer nil)
+        (error () (values nil 0)))
+    (cond ((null octets) (when (eql count 0) (setf (octets-reader-ended-p reader) t)) nil)
+          ((zerop count) (setf (octets-reader-ended-p reader) t) nil)
+          (t (loop for i below count
+                   do (let ((octet (aref buffer i)))
+                        (when (and (= octet 10) (= (octets-reader-last reader) 10))
+                          (incf (octets-reader-events reader)))
+                        (setf (octets-reader-last reader) octet)))
+             (incf (octets-reader-octets reader) count)
+             t))))
+
+(defun start-octets-readers (sockets)
+  "An OCTETS-READER for each of SOCKETS, read as fast as they come by one
+thread, until each has ended.  The sockets are read by their descriptors,
+never their Lisp streams, which are made non-blocking."
+  (let ((readers (mapcar #'make-octets-reader sockets)))
+    (dolist (socket sockets)
+      (setf (sb-bsd-sockets:non-blocking-mode (usocket:socket socket)) t))
+    (bt:make-thread
+     (lambda ()
+       (let ((buffer (make-array 65536 :element-type '(unsigned-byte 8))))
+         (loop for open = (remove-if #'octets-reader-ended-p readers)
+               while open
+               do (when (zerop (loop for reader in open
+                                     count (read-available reader buffer)))
+                    (sleep 0.001)))))
+     :name "test octets reader")
+    readers))
+
+(defun budgeted-event-server (octets)
+  "An event server, as EVENT-SERVER, with a memory budget of OCTETS of its own."
+  (make-server 'parallel-easy-acceptor :memory-budget octets
+               :taskmaster (make-instance 'recycling-taskmaster :standby-thread-count 2 :max-thread-count 4
+                                                                :stop-timeout 5)))
+
+(defun requested-event-streams (server path count)
+  "COUNT sockets that asked SERVER for the event stream PATH, nothing of
+them read yet: an OCTETS-READER counts its events from the first octet,
+the head having no blank line of LFs."
+  (loop repeat count
+        collect (let ((socket (connect server)))
+                  (send-text socket (crlf-lines (format nil "GET ~A HTTP/1.1" path) "Host: x" ""))
+                  socket)))
+
+(defun publish-paced (stream-list channel message count)
+  "Publish MESSAGE to CHANNEL COUNT times, each once every stream of
+STREAM-LIST has had the one before written to its socket: a subscriber
+that reads is never closed for a queue full of publishes made faster than
+any client reads.  The number of publishes that reached every stream."
+  (loop repeat count
+        count (and (eql (length stream-list) (publish channel message))
+                   (wait-until (lambda () (every (lambda (stream) (zerop (hrt::event-stream-unsent-octets stream)))
+                                                 stream-list))
+                               :timeout 20))))
+
+(test event-stream.events-written-give-their-octets-back
+  (let ((message (make-string 1000000 :initial-element #\m)))
+    (with-server (server (budgeted-event-server (* 512 1024 1024)))
+      (let* ((socket (first (requested-event-streams server "/test/events?channel=big" 1)))
+             (reader (first (start-octets-readers (list socket)))))
+        (unwind-protect
+             (progn
+               (is (wait-until (lambda () (= 1 (octets-reader-events reader)))) "the hello event")
+               (is (= 300 (publish-paced (list (newest-stream)) "big" message 300)) "each reaches the subscriber")
+               (is (wait-until (lambda () (= 301 (octets-reader-events reader))) :timeout 30)))
+          (usocket:socket-close socket))
+        (is (wait-until (lambda () (eql 0 (stats server :open-event-streams)))))
+        (is (wait-until (lambda () (zerop (stats server :memory-held-bytes))) :timeout 1)
+            "the budget holds ~D octets once the subscriber has left" (stats server :memory-held-bytes))))))
+
+(test event-stream.events-to-many-streams-give-their-octets-back
+  (let ((message (make-string 10000 :initial-element #\k))
+        (count 1000))
+    (with-server (server (budgeted-event-server (* 256 1024 1024)))
+      (let* ((before (length *streams*))
+             (sockets (requested-event-streams server "/test/events?channel=many" count))
+             (readers (start-octets-readers sockets)))
+        (unwind-protect
+             (progn
+               (is (wait-until (lambda () (every (lambda (reader) (= 1 (octets-reader-events reader))) readers)))
+                   "every stream began")
+               (let ((streams (bt:with-lock-held (*streams-lock*) (subseq *streams* 0 (- (length *streams*) before)))))
+                 (is (= count (length streams)))
+                 (is (= 30 (publish-paced streams "many" message 30))))
+               (is (wait-until (lambda () (every (lambda (reader) (= 31 (octets-reader-events reader))) readers))
+                               :timeout 30)
+                   "every stream got every message"))
+          (mapc #'usocket:socket-close sockets))
+        (is (wait-until (lambda () (eql 0 (stats server :open-event-streams)))))
+        (is (wait-until (lambda () (zerop (stats server :memory-held-bytes))) :timeout 1)
+            "the budget holds ~D octets once the subscribers have left" (stats server :memory-held-bytes))))))
+
+(test channels.the-longest-publish-reaches-a-subscriber-that-reads
+  (with-server (server (event-server))
+    (let* ((socket (first (requested-event-streams server "/test/events?channel=longest" 1)))
+           (reader (first (start-octets-readers (list socket)))))
+      (unwind-protect
+           (progn
+             (is (wait-until (lambda () (= 1 (octets-reader-events reader)))))
+             (is (eql 1 (publish "longest" (make-string hrt::+max-published-octets+ :initial-element #\l))))
+             (is (wait-until (lambda () (= 2 (octets-reader-events reader)))) "the event arrived whole")
+             (is (eql 1 (stats server :open-event-streams)) "the subscriber is not closed for it"))
+        (usocket:socket-close socket)))))

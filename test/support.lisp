@@ -64,15 +64,40 @@ a thread BODY leaked is not hidden by one that ended meanwhile."
              "thread leak: ~{~A~^, ~} still alive"
              (mapcar #'bt:thread-name (threads-started-since ,before)))))))
 
+(defvar *budgets-in-use* '()
+  "The memory budgets of the acceptors WITH-SERVER has started and not yet
+stopped, innermost first.")
+
+(defun started-memory-budget (server)
+  "The MEMORY-BUDGET of SERVER's run, a started parallel acceptor; NIL for
+any other acceptor."
+  (let* ((taskmaster (ht::acceptor-taskmaster server))
+         (engine (and (typep taskmaster 'recycling-taskmaster) (hrt::taskmaster-engine taskmaster)))
+         (set (and engine (hrt::engine-readiness-set engine))))
+    (and set (hrt::readiness-set-memory-budget set))))
+
+(defun check-budget-holds-nothing (budget)
+  "Once its server has stopped, BUDGET is to hold 0 octets: everything it
+counted was given back.  Not asked while a server started around it shares
+BUDGET."
+  (when (and budget (not (member budget *budgets-in-use*)))
+    (is (wait-until (lambda () (zerop (hrt::memory-budget-used budget))) :timeout 5)
+        "the memory budget holds ~D octets once the server has stopped" (hrt::memory-budget-used budget))))
+
 (defmacro with-server ((var form) &body body)
   "Start the acceptor FORM as VAR for BODY; stop it afterwards, by force if
-STOP fails."
-  `(let ((,var ,form))
-     (ht:start ,var)
-     (unwind-protect (progn ,@body)
-       (when (ht:started-p ,var)
-         (handler-case (ht:stop ,var)
-           (error () (abandon-acceptor ,var)))))))
+STOP fails; then check that its memory budget holds nothing
+(CHECK-BUDGET-HOLDS-NOTHING)."
+  (let ((budget (gensym "BUDGET")))
+    `(let ((,var ,form))
+       (ht:start ,var)
+       (let ((,budget (started-memory-budget ,var)))
+         (unwind-protect (let ((*budgets-in-use* (cons ,budget *budgets-in-use*)))
+                           ,@body)
+           (when (ht:started-p ,var)
+             (handler-case (ht:stop ,var)
+               (error () (abandon-acceptor ,var))))
+           (check-budget-holds-nothing ,budget))))))
 
 (defun in-thread (function)
   "Run FUNCTION in a new thread; returns a function that joins it and returns

@@ -53,18 +53,28 @@ so taken by exactly one thread."
         until (compare-and-swap (outbox-inbox outbox) old '())
         finally (return old)))
 
+(defun take-outbox-room (outbox length)
+  "Count LENGTH octets more as waiting in OUTBOX, from any thread: true
+when they fit under its MAX-QUEUE-BYTES, or when nothing waits -- one
+message is taken whatever its length, so that what a sender may send
+reaches a client that reads; false, nothing counted, otherwise."
+  (loop for unsent = (outbox-unsent-octets outbox)
+        do (cond ((and (plusp unsent) (> (+ unsent length) (outbox-max-queue-bytes outbox))) (return nil))
+                 ((compare-and-swap (outbox-unsent-octets outbox) unsent (+ unsent length))
+                  (return t)))))
+
 (defun offer-outbox-octets (outbox counted)
   "Add COUNTED, COUNTED-OCTETS the caller holds, to what OUTBOX's holder
 sends, from any thread; the outbox holds them from now on.  False, and
-nothing added, when it is not open, or when COUNTED does not fit under its
-MAX-QUEUE-BYTES (then it is to close with 1008)."
+nothing added, when it is not open, or when COUNTED finds no room
+(TAKE-OUTBOX-ROOM: then it is to close with 1008)."
   (let ((length (length (counted-octets-octets counted))))
     (cond ((not (eq (outbox-state outbox) :open)) nil)
-          ((> (+ (outbox-unsent-octets outbox) length) (outbox-max-queue-bytes outbox))
-           (refuse-outbox-send outbox 1008))
           ((not (hold-counted-octets counted)) nil)
-          (t (atomic-add (outbox-unsent-octets outbox) length)
-             (loop for old = (outbox-inbox outbox)
+          ((not (take-outbox-room outbox length))
+           (let-go-of-counted-octets counted)
+           (refuse-outbox-send outbox 1008))
+          (t (loop for old = (outbox-inbox outbox)
                    until (compare-and-swap (outbox-inbox outbox) old (cons counted old)))
              (when (eq (outbox-state outbox) :closed)
                ;; Ended meanwhile, its queue dropped (the end sets :CLOSED
