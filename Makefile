@@ -43,7 +43,8 @@ TEST_PACKAGES = cl-fiveam cl-drakma cl-plus-ssl openssl systemd postgresql nginx
                 curl nghttp2-client python3-h2 \
                 cl-alexandria cl-base64 cl-md5 cl-rfc2388 cl-trivial-backtrace cl-fad \
                 cl-puri cl-iterate cl-split-sequence cl-trivial-utf-8 cl-global-vars \
-                cl-trivial-garbage cl-trivial-features cl-who chromium
+                cl-trivial-garbage cl-trivial-features cl-who chromium \
+                golang-go golang-github-fatih-color-dev golang-github-spf13-cobra-dev golang-golang-x-net-dev
 # Woo, a benchmark peer built from ../shared/vendor, needs libev4 and these.
 BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox procps curl openssl postgresql strace linux-perf \
                  nghttp2-client \

@@ -64,6 +64,10 @@ octet to its last before ACCEPTOR closes its client with 1008."))
 clients, or NIL when it shares the process's budget, a quarter of the
 dynamic space."))
 
+(defgeneric acceptor-http2-max-running-streams (acceptor)
+  (:documentation "The most streams of one HTTP/2 connection of ACCEPTOR's
+whose handlers run at once."))
+
 (defgeneric acceptor-session-store (acceptor)
   (:documentation "The SESSION-STORE keeping ACCEPTOR's sessions, or NIL when
 they are Hunchentoot's own, in the process."))
@@ -217,6 +221,13 @@ http2 is off: a drop-in changes nothing for browsers until asked.")
     :documentation "The streams of one HTTP/2 connection whose handlers may
 run or wait at once, as its SETTINGS announce; one more is refused
 (REFUSED_STREAM), even when the client reset some of them meanwhile.")
+   (http2-max-running-streams
+    :initarg :http2-max-running-streams
+    :documentation "The most streams of one HTTP/2 connection whose
+handlers run at once; its further streams wait their turn without a
+worker, so that one client cannot take the pool.  NIL (the default): a
+quarter of the pool's MAX-THREAD-COUNT, at least 1 (25 for the default
+pool), or 16 when the pool has no maximum.")
    (own-listen-socket
     :initform nil :accessor acceptor-own-listen-socket
     :documentation "The listening socket this acceptor's START-LISTENING
@@ -264,6 +275,7 @@ or, without one, an IN-PROCESS-SESSIONS (sessions/session-index.lisp)."))
    :compression-min-bytes 256
    :http2 nil
    :http2-max-concurrent-streams 100
+   :http2-max-running-streams nil
    :session-store nil
    :session-store-timeout 2
    ;; Deferred accepting keeps a connection in the kernel's queue of
@@ -281,87 +293,6 @@ each write of a reply; HEADER-TIMEOUT and KEEP-ALIVE-TIMEOUT bound the waits
 between requests, QUEUE-TIMEOUT the wait of a request for a free worker.  Each time a worker takes a connection up, it serves the
 requests that have arrived inside HUNCHENTOOT:PROCESS-CONNECTION, so that
 :AROUND methods of mixins run around them."))
-
-(defmethod initialize-instance :after ((acceptor parallel-acceptor) &key)
-  (loop for (initarg seconds) in `((:header-timeout ,(acceptor-header-timeout acceptor))
-                                   (:keep-alive-timeout ,(acceptor-keep-alive-timeout acceptor))
-                                   (:queue-timeout ,(acceptor-queue-timeout acceptor))
-                                   (:session-store-timeout ,(acceptor-session-store-timeout acceptor))
-                                   (:websocket-ping-interval ,(acceptor-websocket-ping-interval acceptor))
-                                   (:websocket-timeout ,(acceptor-websocket-timeout acceptor))
-                                   (:websocket-message-timeout ,(acceptor-websocket-message-timeout acceptor)))
-        unless (and (realp seconds) (plusp seconds))
-          do (error 'invalid-acceptor-configuration
-                    :initarg initarg :value seconds
-                    :reason "must be a positive number of seconds"))
-  ;; Hunchentoot on SBCL has one timeout per socket for both directions, and
-  ;; otherwise signals its error at every accept, after the connection is made.
-  (unless (eql (hunchentoot:acceptor-read-timeout acceptor) (hunchentoot:acceptor-write-timeout acceptor))
-    (error 'invalid-acceptor-configuration
-           :initarg :write-timeout :value (hunchentoot:acceptor-write-timeout acceptor)
-           :reason (format nil "must equal :READ-TIMEOUT (~S): on SBCL one timeout bounds ~
-                                both reads and writes"
-                           (hunchentoot:acceptor-read-timeout acceptor))))
-  (let ((fd (acceptor-listen-fd acceptor)))
-    (unless (or (null fd) (and (integerp fd) (<= 0 fd)))
-      (error 'invalid-acceptor-configuration
-             :initarg :listen-fd :value fd
-             :reason "must be NIL or a descriptor number")))
-  (let ((bytes (acceptor-body-buffer-bytes acceptor)))
-    (unless (and (integerp bytes) (<= 0 bytes))
-      (error 'invalid-acceptor-configuration
-             :initarg :body-buffer-bytes :value bytes
-             :reason "must be a non-negative integer")))
-  (let ((bytes (acceptor-max-body-bytes acceptor)))
-    (unless (or (null bytes) (and (integerp bytes) (plusp bytes)))
-      (error 'invalid-acceptor-configuration
-             :initarg :max-body-bytes :value bytes
-             :reason "must be NIL or a positive integer")))
-  (let ((bytes (acceptor-max-header-bytes acceptor)))
-    (unless (and (integerp bytes) (<= 1024 bytes (* 1024 1024)))
-      (error 'invalid-acceptor-configuration
-             :initarg :max-header-bytes :value bytes
-             :reason "must be an integer from 1024 to 1048576")))
-  (loop for (initarg bytes) in `((:max-websocket-message-bytes ,(acceptor-max-websocket-message-bytes acceptor))
-                                 (:max-websocket-queue-bytes ,(acceptor-max-websocket-queue-bytes acceptor))
-                                 (:http2-max-concurrent-streams ,(acceptor-http2-max-concurrent-streams acceptor)))
-        unless (and (integerp bytes) (plusp bytes))
-          do (error 'invalid-acceptor-configuration
-                    :initarg initarg :value bytes
-                    :reason "must be a positive integer"))
-  (let ((bytes (acceptor-memory-budget acceptor)))
-    (unless (or (null bytes) (and (integerp bytes) (<= (* 1024 1024) bytes)))
-      (error 'invalid-acceptor-configuration
-             :initarg :memory-budget :value bytes
-             :reason "must be NIL or an integer of at least 1048576")))
-  (setf (slot-value acceptor 'compression) (compression-levels (acceptor-compression acceptor)))
-  (let ((store (acceptor-session-store acceptor)))
-    (unless (typep store '(or null session-store))
-      (error 'invalid-acceptor-configuration
-             :initarg :session-store :value store
-             :reason "must be NIL or a SESSION-STORE"))
-    (setf (slot-value acceptor 'sessions) (or store (make-instance 'in-process-sessions)))))
-
-(defun compression-levels (codings)
-  "The (CODING . LEVEL) pairs of the :COMPRESSION initarg CODINGS, each
-checked, or an INVALID-ACCEPTOR-CONFIGURATION."
-  (flet ((refuse ()
-           (error 'invalid-acceptor-configuration
-                  :initarg :compression :value codings
-                  :reason "must be NIL or a list of :ZSTD, :BR and :GZIP, each maybe as (CODING LEVEL): gzip 1 to 9, Brotli 0 to 11, Zstandard 1 to 19")))
-    (unless (listp codings) (refuse))
-    (let ((levels (mapcar (lambda (coding)
-                            (let* ((list (if (listp coding) coding (list coding)))
-                                   (name (first list))
-                                   (level (second list))
-                                   (range (getf '(:gzip (1 9 1) :br (0 11 4) :zstd (1 19 3)) name)))
-                              (unless (and range (<= (length list) 2)
-                                           (or (null level) (and (integerp level) (<= (first range) level (second range)))))
-                                (refuse))
-                              (cons name (or level (third range)))))
-                          codings)))
-      (unless (= (length levels) (length (remove-duplicates levels :key #'car))) (refuse))
-      levels)))
 
 (defclass parallel-easy-acceptor (parallel-acceptor indexed-easy-handlers hunchentoot:easy-acceptor
                                   static-document-root)

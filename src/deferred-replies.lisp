@@ -2,7 +2,7 @@
 ;;;; (DEFER-REPLY) and returns: its worker is free, and its connection
 ;;;; waits in the readiness set (engine/readiness/deferred-reply.lisp) until
 ;;;; any thread completes the reply (COMPLETE-REPLY), its timeout passes,
-;;;; or the client hangs up.  CALL-AFTER calls a function after some
+;;;; or the client goes.  CALL-AFTER calls a function after some
 ;;;; milliseconds on the engine's own timer (engine/readiness/timers.lisp),
 ;;;; without a thread waiting either.
 
@@ -34,8 +34,9 @@ for COMPLETE-REPLY, from any thread, instead of the handler's return value,
 which is then ignored; returns the DEFERRED-REPLY.  The handler returns at
 once and its worker serves others meanwhile.  A reply not completed within
 TIMEOUT seconds is answered TIMEOUT-STATUS (503, or 504) and its
-connection closed.  When the client hangs up first, ON-CLIENT-GONE, if
-given, is called with the DEFERRED-REPLY, in a worker, with Hunchentoot's
+connection closed.  When the client goes first -- it resets the
+connection; one that only shuts down its side after the request still
+gets the reply -- ON-CLIENT-GONE, if given, is called with the DEFERRED-REPLY, in a worker, with Hunchentoot's
 specials bound as in the handler, and REPLY-CLIENT-GONE-P is true from then
 on, so that the work behind the reply can stop.  Called again in the same
 handler it returns the same DEFERRED-REPLY.  A handler that fails after
@@ -82,8 +83,8 @@ is gone: only one call completes a reply."
   (null (deferred-reply-outcome deferred)))
 
 (defun reply-client-gone-p (deferred)
-  "True once DEFERRED's client hung up before its reply, or its connection
-was closed without it (a STOP)."
+  "True once DEFERRED's client reset the connection before its reply, or
+its connection was closed without it (a STOP)."
   (eq (deferred-reply-outcome deferred) :gone))
 
 (defun acceptor-timers (acceptor)

@@ -40,7 +40,7 @@
      "Websockets closed, by close code: an alist from the code to its count, 1006 for a client gone without a close frame, 0 for codes not listed.")
     (:deferred-replies :gauge "deferred_replies" "Replies deferred by their handler and not completed yet.")
     (:deferred-reply-timeouts :counter "deferred_reply_timeouts_total" "Deferred replies answered their timeout status.")
-    (:deferred-clients-gone :counter "deferred_clients_gone_total" "Deferred replies whose client hung up first.")
+    (:deferred-clients-gone :counter "deferred_clients_gone_total" "Deferred replies whose client reset the connection first.")
     (:pending-timers :gauge "pending_timers" "Calls waiting on the engine's timer (CALL-AFTER).")
     (:open-event-streams :gauge "open_event_streams" "Connections that are open event streams.")
     (:events-sent :counter "events_sent_total" "Events sent to event streams (or waiting for the client's socket).")

@@ -120,7 +120,7 @@
       (setf *last-deferred* nil)
       (send-text socket (crlf-lines "GET /test/deferred/never HTTP/1.1" "Host: x" "" ""))
       (is (wait-until (lambda () *last-deferred*)))
-      (usocket:socket-close socket)
+      (reset-socket socket)
       (is (wait-until (lambda () (reply-client-gone-p *last-deferred*)) :timeout 2))
       (is (wait-until (lambda () (= (1+ calls) *client-gone-calls*)) :timeout 2))
       (is (null (complete-reply *last-deferred* :body "nobody there")))
@@ -189,3 +189,46 @@
                (is (eql 200 status))
                (is (equal "not deferred" body))))
         (usocket:socket-close socket)))))
+
+;;; A client that half-closes after its request (shutdown(SHUT_WR), as nc -N
+;;; and some proxies do) still gets its reply, then the close: only a
+;;; reset or a failed write means it left (RFC 9112 9.6).
+
+(defun half-closed-requests (server path count)
+  "COUNT sockets that sent SERVER the request PATH, then shut down their
+side of the connection."
+  (loop repeat count
+        collect (let ((socket (connect server)))
+                  (send-text socket (crlf-lines (format nil "GET ~A HTTP/1.1" path) "Host: x" ""))
+                  (sb-bsd-sockets:socket-shutdown (usocket:socket socket) :direction :output)
+                  socket)))
+
+(test deferred-reply.half-closed-clients-get-their-reply-then-the-close
+  (with-server (server (deferring-server))
+    (let* ((sockets (half-closed-requests server "/test/deferred/timer?ms=2000" 1000))
+           (readers (start-octets-readers sockets)))
+      (unwind-protect
+           (progn
+             (is (wait-until (lambda () (every #'octets-reader-ended-p readers)) :timeout 30)
+                 "every connection closed by the server after its reply")
+             (is (= 1000 (count 201 readers :key #'octets-reader-status))
+                 "each got its reply: ~D of 1,000" (count 201 readers :key #'octets-reader-status)))
+        (mapc #'usocket:socket-close sockets))
+      (is (wait-until (lambda () (eql 0 (stats server :deferred-replies)))))
+      (is (eql 0 (stats server :deferred-clients-gone)) "none counted gone"))))
+
+(test deferred-reply.half-closed-tls-clients-get-their-reply
+  (with-server (server (tls-server))
+    (dotimes (i 20)
+      (multiple-value-bind (stream socket) (tls-connect server)
+        (unwind-protect
+             (progn
+               (write-sequence (flex:string-to-octets (crlf-lines "GET /test/deferred/timer?ms=200 HTTP/1.1" "Host: x" "")
+                                                      :external-format :latin-1)
+                               stream)
+               (finish-output stream)
+               (sb-bsd-sockets:socket-shutdown (usocket:socket socket) :direction :output)
+               (multiple-value-bind (status body) (read-stream-response stream)
+                 (is (eql 201 status) "half-closed TLS client ~D: ~A ~A" i status body)))
+          (ignore-errors (close stream))
+          (usocket:socket-close socket))))))

@@ -230,55 +230,6 @@ blank line that ends it; NIL at the end of the stream or after TIMEOUT."
 ;;; The memory budget's books: an event is counted once and given back once
 ;;; written, whatever its size and however many streams it goes to.
 
-(defstruct (octets-reader (:constructor make-octets-reader (socket)))
-  "What has been read of a socket so far (START-OCTETS-READERS)."
-  socket
-  (octets 0)
-  ;; Events and comments: the blank lines that end them.
-  (events 0)
-  (last 0)
-  (ended-p nil))
-
-(defun read-available (reader buffer)
-  "Read what READER's socket, non-blocking, has now, counting it; true when
-something came.  At its end, READER is marked ended."
-  (multiple-value-bind (octets count)
-      (handler-case (sb-bsd-sockets:socket-receive (usocket:socket (octets-reader-socket reader)) buffer nil)
-        (error () (values nil 0)))
-    (cond ((null octets) (when (eql count 0) (setf (octets-reader-ended-p reader) t)) nil)
-          ((zerop count) (setf (octets-reader-ended-p reader) t) nil)
-          (t (loop for i below count
-                   do (let ((octet (aref buffer i)))
-                        (when (and (= octet 10) (= (octets-reader-last reader) 10))
-                          (incf (octets-reader-events reader)))
-                        (setf (octets-reader-last reader) octet)))
-             (incf (octets-reader-octets reader) count)
-             t))))
-
-(defun start-octets-readers (sockets)
-  "An OCTETS-READER for each of SOCKETS, read as fast as they come by one
-thread, until each has ended.  The sockets are read by their descriptors,
-never their Lisp streams, which are made non-blocking."
-  (let ((readers (mapcar #'make-octets-reader sockets)))
-    (dolist (socket sockets)
-      (setf (sb-bsd-sockets:non-blocking-mode (usocket:socket socket)) t))
-    (bt:make-thread
-     (lambda ()
-       (let ((buffer (make-array 65536 :element-type '(unsigned-byte 8))))
-         (loop for open = (remove-if #'octets-reader-ended-p readers)
-               while open
-               do (when (zerop (loop for reader in open
-                                     count (read-available reader buffer)))
-                    (sleep 0.001)))))
-     :name "test octets reader")
-    readers))
-
-(defun budgeted-event-server (octets)
-  "An event server, as EVENT-SERVER, with a memory budget of OCTETS of its own."
-  (make-server 'parallel-easy-acceptor :memory-budget octets
-               :taskmaster (make-instance 'recycling-taskmaster :standby-thread-count 2 :max-thread-count 4
-                                                                :stop-timeout 5)))
-
 (defun requested-event-streams (server path count)
   "COUNT sockets that asked SERVER for the event stream PATH, nothing of
 them read yet: an OCTETS-READER counts its events from the first octet,
@@ -347,3 +298,23 @@ any client reads.  The number of publishes that reached every stream."
              (is (wait-until (lambda () (= 2 (octets-reader-events reader)))) "the event arrived whole")
              (is (eql 1 (stats server :open-event-streams)) "the subscriber is not closed for it"))
         (usocket:socket-close socket)))))
+
+(test event-stream.a-half-closed-client-still-gets-its-events
+  ;; A client that shut down its side after its request is sent a comment
+  ;; (to which one gone would answer with a reset), then its events.
+  (with-server (server (event-server))
+    (let* ((socket (first (requested-event-streams server "/test/events" 1)))
+           (reader (first (start-octets-readers (list socket)))))
+      (unwind-protect
+           (progn
+             (is (wait-until (lambda () (= 1 (octets-reader-events reader)))) "the hello event")
+             (sb-bsd-sockets:socket-shutdown (usocket:socket socket) :direction :output)
+             (is (wait-until (lambda () (= 2 (octets-reader-events reader)))) "the comment the half-close brings")
+             (is (send-event (newest-stream) "after the half-close"))
+             (is (wait-until (lambda () (= 3 (octets-reader-events reader)))) "the event sent after it")
+             (is (eql 1 (stats server :open-event-streams))))
+        (usocket:socket-close socket))
+      ;; Gone now: the next event sent is answered with a reset.
+      (send-event (newest-stream) "to nobody")
+      (is (wait-until (lambda () (eql 0 (stats server :open-event-streams))))
+          "closed once its client is gone"))))

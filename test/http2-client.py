@@ -13,21 +13,43 @@ Debian's python3-h2) where a well-behaved client library would refuse to:
                                 windows, then nothing read for SECONDS
   idle PORT COUNT SECONDS       COUNT connections that send the preface and
                                 their SETTINGS, then nothing, for SECONDS
+  big-headers PORT COUNT OCTETS COUNT GET requests each with a header of
+                                OCTETS octets, written at once
+  uploads PORT COUNT OCTETS     COUNT POST streams of OCTETS octets each to
+                                /test/digest, as fast as flow control lets
+                                them go: how many replies name their body's
+                                SHA-1
+  downloads PORT COUNT KB TRIES COUNT streams of /test/bytes?kb=KB at once
+                                with the largest windows, read as fast as
+                                they come, TRIES times, a connection each
+  hpack-bomb PORT COUNT         a 4,000-octet header put in the dynamic
+                                table, then COUNT requests naming it 1,000
+                                times each
+  empty-frames PORT COUNT       COUNT empty DATA frames on an open stream
+  priority-flood PORT COUNT     COUNT PRIORITY frames
+  statuses PORT PATH...         one stream for each PATH, sent at once: the
+                                status each got, or "refused" for a
+                                REFUSED_STREAM, and the GOAWAY's code
 
 Each prints one line of JSON: what it sent before the server closed the
 connection, and the error code of the GOAWAY it received, if any.  Every
 socket has a timeout: a run stops by itself.
 """
 
+import hashlib
 import json
 import socket
 import sys
 import threading
 import time
 
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
 from hpack import Encoder
-from hyperframe.frame import (ContinuationFrame, Frame, GoAwayFrame, HeadersFrame,
-                              RstStreamFrame, SettingsFrame, WindowUpdateFrame)
+from hyperframe.frame import (ContinuationFrame, DataFrame, Frame, GoAwayFrame, HeadersFrame,
+                              PriorityFrame, RstStreamFrame, SettingsFrame, WindowUpdateFrame)
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
@@ -234,6 +256,225 @@ def idle(port, count, seconds):
     return {"closed_by_server": closed}
 
 
+def big_headers(port, count, octets):
+    sock = connect(port)
+    encoder = Encoder()
+    value = "v" * octets
+    sock.sendall(b"".join(HeadersFrame(2 * i + 1, request_block(encoder, "/test/yo", [("x-big", value)]),
+                                       flags=["END_HEADERS", "END_STREAM"]).serialize()
+                          for i in range(count)))
+    answered, goaway = 0, None
+    sock.settimeout(20)
+    for frame in frames_of(sock):
+        if isinstance(frame, HeadersFrame):
+            answered += 1
+        elif isinstance(frame, GoAwayFrame):
+            goaway = frame.error_code
+            break
+        if answered >= count:
+            break
+    sock.close()
+    return {"answered": answered, "goaway": goaway}
+
+
+class Client:
+    """A well-behaved client connection (python3-h2): flow control, windows
+    of SIZE, the server's frames read until every stream asked has ended."""
+
+    def __init__(self, port, window=65535):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True,
+                                                                         header_encoding="latin-1"))
+        self.conn.initiate_connection()
+        if window > 65535:
+            self.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+            self.conn.increment_flow_control_window(window - 65535)
+        self.flush()
+        self.bodies, self.status, self.headers, self.ended, self.reset = {}, {}, {}, set(), set()
+        self.goaway, self.closed = None, False
+
+    def flush(self):
+        data = self.conn.data_to_send()
+        if data:
+            self.sock.sendall(data)
+
+    def request(self, path, method="GET", end=True):
+        stream = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(stream, [(":method", method), (":scheme", "http"), (":path", path),
+                                        (":authority", "127.0.0.1")], end_stream=end)
+        self.bodies[stream] = []
+        return stream
+
+    def receive(self):
+        """Read what the server sent, and answer it; raises socket.timeout."""
+        try:
+            data = self.sock.recv(1 << 20)
+        except socket.timeout:
+            raise
+        except OSError:
+            data = b""
+        if not data:
+            self.closed = True
+            return
+        for event in self.conn.receive_data(data):
+            if isinstance(event, h2.events.ResponseReceived):
+                self.status[event.stream_id] = dict(event.headers).get(":status")
+                self.headers[event.stream_id] = event.headers
+            elif isinstance(event, h2.events.DataReceived):
+                self.bodies[event.stream_id].append(event.data)
+                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.StreamEnded):
+                self.ended.add(event.stream_id)
+            elif isinstance(event, h2.events.StreamReset):
+                self.reset.add(event.stream_id)
+            elif isinstance(event, h2.events.ConnectionTerminated):
+                self.goaway = event.error_code
+        self.flush()
+
+    def done(self):
+        return self.closed or self.goaway is not None or len(self.ended) + len(self.reset) >= len(self.bodies)
+
+    def body(self, stream):
+        return b"".join(self.bodies[stream])
+
+
+def upload_octets(index, octets):
+    seed = hashlib.sha1(str(index).encode()).digest()
+    return (seed * (octets // len(seed) + 1))[:octets]
+
+
+def uploads(port, count, octets):
+    client = Client(port)
+    payloads = {}
+    for i in range(count):
+        stream = client.request("/test/digest", "POST", end=False)
+        payloads[stream] = (upload_octets(i, octets), 0)
+    client.flush()
+    client.sock.setblocking(False)
+    while not client.done():
+        for stream, (payload, sent) in list(payloads.items()):
+            if sent < len(payload) and stream not in client.reset:
+                room = min(client.conn.local_flow_control_window(stream), client.conn.max_outbound_frame_size)
+                if room > 0:
+                    chunk = payload[sent:sent + room]
+                    client.conn.send_data(stream, chunk, end_stream=sent + len(chunk) == len(payload))
+                    payloads[stream] = (payload, sent + len(chunk))
+        try:
+            client.flush()
+        except BlockingIOError:
+            pass
+        try:
+            client.sock.settimeout(0.05)
+            client.receive()
+        except socket.timeout:
+            pass
+    right = sum(1 for stream, (payload, _) in payloads.items()
+                if client.body(stream).decode() == hashlib.sha1(payload).hexdigest())
+    client.sock.close()
+    return {"right": right, "reset": len(client.reset), "goaway": client.goaway,
+            "closed_without_goaway": client.closed and client.goaway is None}
+
+
+def expected_bytes(kb):
+    return bytes(i % 251 for i in range(kb * 1024))
+
+
+def downloads(port, count, kb, tries):
+    expected = hashlib.sha1(expected_bytes(kb)).hexdigest()
+    complete, short, reset, goaways, silent = 0, 0, 0, 0, 0
+    for _ in range(tries):
+        client = Client(port, window=2**31 - 1)
+        streams = [client.request("/test/bytes?kb=%d" % kb) for _ in range(count)]
+        client.flush()
+        while not client.done():
+            client.receive()
+        for stream in streams:
+            if stream in client.ended and hashlib.sha1(client.body(stream)).hexdigest() == expected:
+                complete += 1
+            elif stream in client.reset:
+                reset += 1
+            else:
+                short += 1
+        goaways += client.goaway is not None
+        silent += client.closed and client.goaway is None
+        client.sock.close()
+    return {"complete": complete, "short": short, "reset": reset, "goaways": goaways,
+            "closed_without_goaway": silent}
+
+
+def flood(port, frames, batch):
+    """Send FRAMES, an iterator of octets, in batches of BATCH, until the
+    server closes: the frames sent, the GOAWAY's code, the seconds taken."""
+    sock = connect(port)
+    reader = Reader(sock)
+    reader.start()
+    start = time.monotonic()
+
+    def batches():
+        chunk = []
+        for frame in frames:
+            chunk.append(frame)
+            if len(chunk) >= batch:
+                yield b"".join(chunk)
+                chunk = []
+        if chunk:
+            yield b"".join(chunk)
+
+    sent = send_until_closed(sock, reader, batches())
+    reader.closed.wait(10)
+    sock.close()
+    return {"frames_sent": sent * batch, "goaway": reader.goaway, "closed": reader.closed.is_set(),
+            "seconds": round(time.monotonic() - start, 3)}
+
+
+def hpack_bomb(port, count):
+    encoder = Encoder()
+    big = ("x-bomb", "b" * 4000)
+
+    def frames():
+        # The first request puts the header in the dynamic table; each
+        # later one names it by its index, an octet each, 1,000 times.
+        yield HeadersFrame(1, request_block(encoder, "/test/yo", [big]),
+                           flags=["END_HEADERS", "END_STREAM"]).serialize()
+        for i in range(1, count):
+            block = request_block(encoder, "/test/yo", [big] * 1000)
+            yield HeadersFrame(2 * i + 1, block, flags=["END_HEADERS", "END_STREAM"]).serialize()
+
+    return flood(port, frames(), 10)
+
+
+def empty_frames(port, count):
+    encoder = Encoder()
+
+    def frames():
+        yield HeadersFrame(1, encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/test/body"),
+                                              (":authority", "127.0.0.1")]),
+                           flags=["END_HEADERS"]).serialize()
+        empty = DataFrame(1, b"").serialize()
+        for _ in range(count):
+            yield empty
+
+    return flood(port, frames(), 10000)
+
+
+def priority_flood(port, count):
+    frame = PriorityFrame(3, depends_on=1, stream_weight=16).serialize()
+    return flood(port, (frame for _ in range(count)), 10000)
+
+
+def statuses(port, paths):
+    client = Client(port)
+    streams = [client.request(path) for path in paths]
+    client.flush()
+    while not client.done():
+        client.receive()
+    client.sock.close()
+    return {"statuses": [client.status.get(stream) or ("refused" if stream in client.reset else None)
+                         for stream in streams],
+            "retry_after": [dict(client.headers.get(stream, [])).get("retry-after") for stream in streams],
+            "goaway": client.goaway}
+
+
 def main(arguments):
     command, port = arguments[0], int(arguments[1])
     if command == "rapid-reset":
@@ -250,6 +491,20 @@ def main(arguments):
         result = not_reading(port, int(arguments[2]), arguments[3], float(arguments[4]))
     elif command == "idle":
         result = idle(port, int(arguments[2]), float(arguments[3]))
+    elif command == "big-headers":
+        result = big_headers(port, int(arguments[2]), int(arguments[3]))
+    elif command == "uploads":
+        result = uploads(port, int(arguments[2]), int(arguments[3]))
+    elif command == "downloads":
+        result = downloads(port, int(arguments[2]), int(arguments[3]), int(arguments[4]))
+    elif command == "hpack-bomb":
+        result = hpack_bomb(port, int(arguments[2]))
+    elif command == "empty-frames":
+        result = empty_frames(port, int(arguments[2]))
+    elif command == "priority-flood":
+        result = priority_flood(port, int(arguments[2]))
+    elif command == "statuses":
+        result = statuses(port, arguments[2:])
     else:
         raise SystemExit("unknown command " + command)
     print(json.dumps(result), flush=True)

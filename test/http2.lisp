@@ -239,7 +239,8 @@ the process had."
                    (is (< longest 1) "~A: /test/yo within 1 s (~,3F s)" what longest)
                    (is (<= most-threads (+ threads-before 16 2)) "~A: ~D threads, the pool's maximum 16"
                        what most-threads))))
-      (is (<= 3 (cdr (assoc "protocol-error" (stats server :http2-goaways-by-cause) :test #'string=)))
+      (is (<= 3 (+ (cdr (assoc "protocol-error" (stats server :http2-goaways-by-cause) :test #'string=))
+                  (cdr (assoc "flood" (stats server :http2-goaways-by-cause) :test #'string=))))
           "the three GOAWAYs counted: ~S" (stats server :http2-goaways-by-cause))
       (is (plusp (stats server :http2-streams-reset))))))
 
@@ -361,3 +362,138 @@ the process had."
                (is (search "open_http2_connections" (nth-value 2 (curl-reply (format nil "~A/metrics" plain) :h2c)))
                    "the metrics name HTTP/2's"))
           (stop-process process))))))
+
+;;; Under load: every octet in, every octet out, no silent close, no
+;;; client that takes the pool or costs without end.
+
+(ht:define-easy-handler (test-bytes :uri "/test/bytes") ((kb :parameter-type 'integer))
+  (setf (ht:content-type*) "application/octet-stream")
+  (let ((octets (make-array (* 1024 (or kb 1)) :element-type '(unsigned-byte 8))))
+    (dotimes (i (length octets) octets)
+      (setf (aref octets i) (mod i 251)))))
+
+(ht:define-easy-handler (test-digest :uri "/test/digest") ()
+  (setf (ht:content-type*) "text/plain")
+  (ironclad:byte-array-to-hex-string (ironclad:digest-sequence :sha1 (or (ht:raw-post-data :force-binary t)
+                                                                         (make-array 0 :element-type '(unsigned-byte 8))))))
+
+(defun json-count (result key)
+  "The integer KEY names in RESULT, the JSON line of test/http2-client.py, or NIL."
+  (let ((match (nth-value 1 (cl-ppcre:scan-to-strings (format nil "\"~A\": (-?\\d+)" key) result))))
+    (and match (parse-integer (aref match 0)))))
+
+(test http2.every-octet-a-client-sends-is-read
+  (with-thread-leak-check ()
+    (with-server (server (http2-server))
+      (let ((result (http2-client "big-headers" (ht:acceptor-port server) 100 7000)))
+        (is (eql 100 (json-count result "answered")) "100 requests of 7,000-octet headers written at once: ~A"
+            result))
+      (let ((result (http2-client "uploads" (ht:acceptor-port server) 100 (* 1024 1024))))
+        (is (eql 100 (json-count result "right")) "100 POST streams of 1 MiB, each body's digest: ~A" result)
+        (is (search "\"closed_without_goaway\": false" result) "~A" result)))))
+
+(test http2.every-octet-of-many-large-replies-arrives
+  (with-thread-leak-check ()
+    (with-server (server (http2-server))
+      (let ((result (http2-client "downloads" (ht:acceptor-port server) 60 1024 2)))
+        (is (eql 120 (json-count result "complete")) "60 streams of 1 MiB read at full speed, twice: ~A" result)
+        (is (eql 0 (json-count result "closed_without_goaway")) "~A" result)))))
+
+(test http2.one-client-takes-no-more-than-its-share-of-the-pool
+  ;; 100 streams of a 3 s handler on one connection: a quarter of the
+  ;; pool's 100 workers run them, the others wait their turn without a
+  ;; worker; another connection is answered meanwhile.
+  (with-thread-leak-check ()
+    (with-server (server (http2-server))
+      (let ((client (in-thread (lambda () (h2load (url server "/test/sleep?ms=3000") "-n" "100" "-c" "1" "-m" "100")))))
+        (is (wait-until (lambda () (eql 25 (stats server :in-request-threads))) :timeout 20)
+            "25 handlers of the connection run: ~D" (stats server :in-request-threads))
+        (is (eql 200 (curl-reply (url server "/test/yo") :h2c)) "another HTTP/2 connection answered meanwhile")
+        (is (eql 200 (http-get server "/test/yo")) "an HTTP/1.1 one too")
+        (is (<= (stats server :in-request-threads) 25) "never more than its share: ~D"
+            (stats server :in-request-threads))
+        (destructuring-bind (succeeded failed seconds) (funcall client)
+          (is (eql 100 succeeded) "every stream answered in its turn: ~A ~A ~A" succeeded failed seconds))))))
+
+(test http2.what-costs-without-end-ends-with-enhance-your-calm
+  (with-thread-leak-check ()
+    (with-server (server (http2-server))
+      (loop for (what . arguments) in '(("hpack-bomb" 5000) ("empty-frames" 10000000) ("priority-flood" 10000000))
+            do (multiple-value-bind (result longest all-ok) (answered-meanwhile server
+                                                                                (lambda () (apply #'http2-client what (ht:acceptor-port server) arguments)))
+                 (declare (ignore longest))
+                 (is (search "\"goaway\": 11" result) "~A: GOAWAY ENHANCE_YOUR_CALM: ~A" what result)
+                 (is (search "\"closed\": true" result) "~A: and the connection closed: ~A" what result)
+                 (is-true all-ok "~A: /test/yo answered 200 throughout" what)))
+      (is (eql 3 (cdr (assoc "flood" (stats server :http2-goaways-by-cause) :test #'string=)))
+          "each counted a flood: ~S" (stats server :http2-goaways-by-cause)))))
+
+;;; Conformance: h2spec, built from ../shared/vendor/h2spec with Debian's Go
+;;; (its copy has no main package: test/h2spec-driver.go is ours).
+
+(defun h2spec-program ()
+  "The h2spec driver, built once into a folder of the system's temporary
+ones; NIL, and why, when it cannot be built."
+  (let* ((source (merge-pathnames "../shared/vendor/h2spec/" (asdf:system-source-directory "hunchentoot-recycling-taskmaster")))
+         (gopath (merge-pathnames "hrt-h2spec/" (uiop:temporary-directory)))
+         (program (merge-pathnames "h2spec-driver" gopath)))
+    (cond ((probe-file program) (namestring program))
+          ((not (probe-file (merge-pathnames "h2spec.go" source)))
+           (values nil "../shared/vendor/h2spec is missing"))
+          (t (let ((package (merge-pathnames "src/github.com/summerwind/h2spec/" gopath))
+                   (driver (merge-pathnames "src/h2spec-driver/" gopath)))
+               (uiop:delete-directory-tree gopath :validate t :if-does-not-exist :ignore)
+               (ensure-directories-exist package)
+               (ensure-directories-exist driver)
+               (uiop:run-program (list "cp" "-r" (format nil "~A." (namestring source)) (namestring package)))
+               (uiop:run-program (list "rm" "-f" (namestring (merge-pathnames "go.mod" package))
+                                       (namestring (merge-pathnames "go.sum" package))))
+               (uiop:copy-file (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster" "test/h2spec-driver.go")
+                               (merge-pathnames "main.go" driver))
+               (multiple-value-bind (output error-output status)
+                   (uiop:run-program (list "env" "GO111MODULE=off"
+                                           (format nil "GOPATH=~A:/usr/share/gocode" (string-right-trim "/" (namestring gopath)))
+                                           (format nil "GOCACHE=~Acache" (namestring gopath))
+                                           "go" "build" "-o" (namestring program) ".")
+                                     :directory (namestring driver) :output :string :error-output :string
+                                     :ignore-error-status t)
+                 (declare (ignore output))
+                 (if (eql 0 status)
+                     (namestring program)
+                     (values nil error-output))))))))
+
+(defun h2spec-summary (port &rest arguments)
+  "h2spec's closing line for the server on PORT: \"146 tests, ... passed\"."
+  (multiple-value-bind (program why) (h2spec-program)
+    (if program
+        (let ((output (uiop:run-program (append (list "timeout" "120" program "-p" (princ-to-string port)) arguments)
+                                        :output :string :ignore-error-status t)))
+          (or (cl-ppcre:scan-to-strings "\\d+ tests, \\d+ passed, \\d+ skipped, \\d+ failed" output)
+              (subseq output (max 0 (- (length output) 2000)))))
+        (format nil "h2spec not built: ~A" why))))
+
+(test http2.h2spec-passes-every-case-on-h2c-and-h2
+  (with-server (server (http2-server))
+    (let ((summary (h2spec-summary (ht:acceptor-port server))))
+      (is (equal "146 tests, 146 passed, 0 skipped, 0 failed" summary) "h2c: ~A" summary)))
+  (with-server (server (http2-ssl-server))
+    (let ((summary (h2spec-summary (ht:acceptor-port server) "-t")))
+      (is (equal "146 tests, 146 passed, 0 skipped, 0 failed" summary) "h2 over TLS: ~A" summary))))
+
+(test http2.a-connection-refused-before-any-worker-is-refused-in-http/2
+  ;; Every worker busy past the queue timeout: the h2c connection's stream
+  ;; is answered 503 with Retry-After in HTTP/2's frames, then GOAWAY.
+  (with-thread-leak-check ()
+    (with-server (server (http2-server :queue-timeout 1
+                                       :taskmaster (make-instance 'recycling-taskmaster :max-thread-count 2
+                                                                                        :standby-thread-count 1)))
+      (let ((busy (loop repeat 2 collect (in-thread (lambda () (http-get server "/test/sleep?ms=3000"))))))
+        (is (wait-until (lambda () (eql 2 (stats server :in-request-threads)))))
+        (let ((result (http2-client "statuses" (ht:acceptor-port server) "/test/yo")))
+          (is (search "\"statuses\": [\"503\"]" result) "the stream answered 503 in HTTP/2: ~A" result)
+          (is (search "\"retry_after\": [\"1\"]" result) "with Retry-After: ~A" result)
+          (is (search "\"goaway\": 0" result) "then GOAWAY NO_ERROR: ~A" result))
+        (dolist (join busy)
+          (is (eql 200 (first (funcall join))))))
+      (is (eql 1 (cdr (assoc "refused" (stats server :http2-goaways-by-cause) :test #'string=)))
+          "counted: ~S" (stats server :http2-goaways-by-cause)))))

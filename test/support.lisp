@@ -163,6 +163,79 @@ signal from the wait as well as from the read."
                      (null (read-byte (usocket:socket-stream socket) nil)))
     (stream-error () t)))
 
+;;; Reading many sockets at once, by their descriptors.
+
+(defun reset-socket (socket)
+  "Close SOCKET with a reset instead of a FIN: SO_LINGER on, for 0 s."
+  (let ((fd (sb-bsd-sockets:socket-file-descriptor (usocket:socket socket))))
+    (sb-alien:with-alien ((linger (array sb-alien:int 2)))
+      (setf (sb-alien:deref linger 0) 1 (sb-alien:deref linger 1) 0)
+      ;; SOL_SOCKET 1, SO_LINGER 13 on Linux.
+      (sb-alien:alien-funcall (sb-alien:extern-alien "setsockopt"
+                                                     (function sb-alien:int sb-alien:int sb-alien:int sb-alien:int
+                                                               (* t) sb-alien:unsigned))
+                              fd 1 13 (sb-alien:cast (sb-alien:addr linger) (* t)) 8))
+    (usocket:socket-close socket)))
+
+(defstruct (octets-reader (:constructor make-octets-reader (socket)))
+  "What has been read of a socket so far (START-OCTETS-READERS)."
+  socket
+  (octets 0)
+  ;; Events and comments: the blank lines that end them.
+  (events 0)
+  (last 0)
+  ;; The first octets read, up to 256.
+  (start (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer t))
+  (ended-p nil))
+
+(defun read-available (reader buffer)
+  "Read what READER's socket, non-blocking, has now, counting it; true when
+something came.  At its end, READER is marked ended."
+  (multiple-value-bind (octets count)
+      (handler-case (sb-bsd-sockets:socket-receive (usocket:socket (octets-reader-socket reader)) buffer nil)
+        (error () (values nil 0)))
+    (cond ((null octets) (when (eql count 0) (setf (octets-reader-ended-p reader) t)) nil)
+          ((zerop count) (setf (octets-reader-ended-p reader) t) nil)
+          (t (loop for i below (min count (- 256 (length (octets-reader-start reader))))
+                   do (vector-push-extend (aref buffer i) (octets-reader-start reader)))
+             (loop for i below count
+                   do (let ((octet (aref buffer i)))
+                        (when (and (= octet 10) (= (octets-reader-last reader) 10))
+                          (incf (octets-reader-events reader)))
+                        (setf (octets-reader-last reader) octet)))
+             (incf (octets-reader-octets reader) count)
+             t))))
+
+(defun octets-reader-status (reader)
+  "The status of the reply whose first octets READER read, or NIL."
+  (let ((start (octets-reader-start reader)))
+    (and (>= (length start) 12)
+         (parse-integer (map 'string #'code-char (subseq start 9 12)) :junk-allowed t))))
+
+(defun start-octets-readers (sockets)
+  "An OCTETS-READER for each of SOCKETS, read as fast as they come by one
+thread, until each has ended.  The sockets are read by their descriptors,
+never their Lisp streams, which are made non-blocking."
+  (let ((readers (mapcar #'make-octets-reader sockets)))
+    (dolist (socket sockets)
+      (setf (sb-bsd-sockets:non-blocking-mode (usocket:socket socket)) t))
+    (bt:make-thread
+     (lambda ()
+       (let ((buffer (make-array 65536 :element-type '(unsigned-byte 8))))
+         (loop for open = (remove-if #'octets-reader-ended-p readers)
+               while open
+               do (when (zerop (loop for reader in open
+                                     count (read-available reader buffer)))
+                    (sleep 0.001)))))
+     :name "test octets reader")
+    readers))
+
+(defun budgeted-event-server (octets)
+  "An event server, as EVENT-SERVER, with a memory budget of OCTETS of its own."
+  (make-server 'parallel-easy-acceptor :memory-budget octets
+               :taskmaster (make-instance 'recycling-taskmaster :standby-thread-count 2 :max-thread-count 4
+                                                                :stop-timeout 5)))
+
 ;;; Processes of the tests' own: the demo, and ending them by PID.
 
 (defun log-lines-matching (file text)

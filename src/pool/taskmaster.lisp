@@ -345,3 +345,11 @@ before that time need not wake it.  POOL-LOCK held."
 
 (defun waiting-worker-count (taskmaster)
   (pool-gauges-waiting (pool-gauges taskmaster)))
+
+(defmethod acceptor-http2-max-running-streams ((acceptor parallel-acceptor))
+  ;; The default: a share of the pool, so that one HTTP/2 client cannot take it.
+  (or (slot-value acceptor 'http2-max-running-streams)
+      (let* ((taskmaster (acceptor-taskmaster acceptor))
+             (max-threads (and (typep taskmaster 'recycling-taskmaster)
+                               (hunchentoot:taskmaster-max-thread-count taskmaster))))
+        (if max-threads (max 1 (floor max-threads 4)) 16))))

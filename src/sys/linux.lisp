@@ -68,6 +68,10 @@ __EPOLL_PACKED), naturally aligned elsewhere.")
 (defconstant +ipproto-tcp+ 6)
 
 (defconstant +tcp-nodelay+ 1)
+;; struct tcp_info begins with the connection's state, an octet; TCP_CLOSE
+;; is the state of one its peer reset.
+(defconstant +tcp-info+ 11)
+(defconstant +tcp-state-close+ 7)
 
 (defconstant +tcp-defer-accept+ 9)
 

@@ -13,8 +13,13 @@
 ;;; Frames (RFC 9113 6) and their flags.
 (defconstant +nghttp2-data+ 0)
 (defconstant +nghttp2-headers+ 1)
-(defconstant +nghttp2-continuation+ 9)
+(defconstant +nghttp2-priority+ 2)
+(defconstant +nghttp2-rst-stream+ 3)
+(defconstant +nghttp2-settings+ 4)
+(defconstant +nghttp2-ping+ 6)
 (defconstant +nghttp2-goaway+ 7)
+(defconstant +nghttp2-window-update+ 8)
+(defconstant +nghttp2-continuation+ 9)
 (defconstant +nghttp2-flag-end-stream+ #x01)
 (defconstant +nghttp2-data-flag-eof+ #x01)
 
@@ -24,11 +29,13 @@
 
 ;;; Error codes of RST_STREAM and GOAWAY (RFC 9113 7).
 (defconstant +nghttp2-no-error+ 0)
+(defconstant +nghttp2-protocol-error+ 1)
 (defconstant +nghttp2-internal-error+ 2)
 (defconstant +nghttp2-refused-stream+ 7)
 (defconstant +nghttp2-enhance-your-calm+ #xb)
 
 ;;; The library's own error codes.
+(defconstant +nghttp2-err-deferred+ -508)
 (defconstant +nghttp2-err-temporal-callback-failure+ -521)
 (defconstant +nghttp2-err-callback-failure+ -902)
 
@@ -109,6 +116,9 @@
 
 (cffi:defcfun ("nghttp2_submit_response" %nghttp2-submit-response) :int
   (session :pointer) (stream-id :int32) (nva :pointer) (nvlen :size) (data-provider :pointer))
+
+(cffi:defcfun ("nghttp2_session_resume_data" %nghttp2-session-resume-data) :int
+  (session :pointer) (stream-id :int32))
 
 (cffi:defcfun ("nghttp2_submit_rst_stream" %nghttp2-submit-rst-stream) :int
   (session :pointer) (flags :uint8) (stream-id :int32) (error-code :uint32))

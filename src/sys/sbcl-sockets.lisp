@@ -144,6 +144,13 @@ acknowledged yet (ioctl SIOCOUTQ), or NIL when they cannot be told."
                  fd +siocoutq+ (sb-alien:addr count)))
          count)))
 
+(defun tcp-connection-closed-p (fd)
+  "True when the TCP connection of the socket FD has closed for good (its
+peer reset it), not only been half-closed by its peer; true too when FD
+cannot be asked."
+  (let ((info (ignore-errors (socket-option fd +tcp-info+ +ipproto-tcp+))))
+    (or (null info) (= (ldb (byte 8 0) info) +tcp-state-close+))))
+
 (defun fd-writable-p (fd)
   "True when FD's socket has room for more output now."
   (sb-unix:unix-simple-poll fd :output 0))

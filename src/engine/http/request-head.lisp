@@ -77,7 +77,9 @@ MAX-HEADER-BYTES)."
 
 (define-condition request-head-refused (error)
   ((status :initarg :status :reader refused-status
-           :documentation "The status code the head is answered with: 400, 501 or 505."))
+           :documentation "The status code the head is answered with: 400, 501 or 505.")
+   (http-p :initarg :http-p :initform t :reader refused-head-http-p
+           :documentation "False when its request line names no HTTP version at all."))
   (:report (lambda (condition stream)
              (format stream "The request head is refused with status ~D."
                          (refused-status condition))))
@@ -182,17 +184,15 @@ conforms to); refuses another major version with 505, anything else with
   (flet ((digit-at (offset)
            (let ((octet (aref buffer (+ start offset))))
              (and (<= 48 octet 57) (- octet 48)))))
-    (if (and (= (- end start) 8)
-             (loop for octet across #.(map 'vector #'char-code "HTTP/")
-                   for index from start
-                   always (= octet (aref buffer index)))
-             (digit-at 5)
-             (= (aref buffer (+ start 6)) 46)
-             (digit-at 7))
-        (cond ((/= 1 (digit-at 5)) (refuse-head 505))
-              ((= 0 (digit-at 7)) :http/1.0)
-              (t :http/1.1))
-        (refuse-head 400))))
+    (let ((http-p (and (>= (- end start) 5)
+                       (loop for octet across #.(map 'vector #'char-code "HTTP/")
+                             for index from start
+                             always (= octet (aref buffer index))))))
+      (if (and http-p (= (- end start) 8) (digit-at 5) (= (aref buffer (+ start 6)) 46) (digit-at 7))
+          (cond ((/= 1 (digit-at 5)) (refuse-head 505))
+                ((= 0 (digit-at 7)) :http/1.0)
+                (t :http/1.1))
+          (error 'request-head-refused :status 400 :http-p http-p)))))
 
 (defconstant +max-method-octets+ 32
   "The longest method taken; a longer one is none this server implements

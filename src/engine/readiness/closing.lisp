@@ -72,6 +72,42 @@ before the reset that unread input provokes."
   (close-connection set connection)
   (funcall (readiness-set-refusal-logger set) connection status))
 
+(defun peek-arrived-octets (connection)
+  "What has arrived on CONNECTION, plain, held by the caller, and is not
+read yet: its pending octets, then what its socket has, peeked (left
+there).  A vector, and the count of those octets at its start."
+  (let* ((pending (or (connection-pending connection) #()))
+         (octets (replace (make-array (+ (length pending) 65536) :element-type '(unsigned-byte 8)) pending))
+         (count (receive-available (connection-fd connection) octets (length pending) (length octets) :peek t)))
+    (values octets (+ (length pending) (if (integerp count) count 0)))))
+
+(defun refuse-in-http2 (set connection status)
+  "Refuse CONNECTION, held by the caller, in HTTP/2's frames when it speaks
+HTTP/2 (ALPN chose h2, or what arrived on a plain one begins with the
+preface) but no worker took it up: HTTP2-REFUSAL-FRAMES, each stream
+whose request has arrived answered STATUS (on TLS, whose records only a
+worker reads, none: its GOAWAY names none processed), the GOAWAY counted
+:REFUSED; then closed.  False, nothing done, when it does not speak it."
+  (multiple-value-bind (octets end) (if (plain-connection-p connection)
+                                        (peek-arrived-octets connection)
+                                        (values #() 0))
+    (when (if (plain-connection-p connection)
+              (and (>= end (length *http2-preface*)) (not (mismatch *http2-preface* octets :end2 (length *http2-preface*))))
+              (equal (connection-application-protocol connection) "h2"))
+      (let ((frames (http2-refusal-frames set (coerce octets 'octets) end status))
+            (fd (connection-fd connection)))
+        (count-http2-goaway (readiness-set-counters set) :refused)
+        (ignore-errors
+         (if (plain-connection-p connection)
+             (send-without-waiting fd frames)
+             (when (fd-writable-p fd)
+               (write-sequence frames (connection-stream connection))
+               (finish-output (connection-stream connection)))))
+        (linger-before-close connection)
+        (close-connection set connection)
+        (funcall (readiness-set-refusal-logger set) connection status)
+        t))))
+
 (defun end-parked-connection (set connection)
   "CONNECTION, held by the caller, has reached its deadline: answer it its
 TIMEOUT-STATUS, or close it without a word (a kept-alive connection that
@@ -96,7 +132,8 @@ sent nothing, a client that took none of its reply)."
            (atomic-increment (connection-counters-body-timeouts counters))
            (count-reply counters 408)
            (refuse-and-close set connection 408 :explanation "The request body did not arrive in time."))
-          (status (refuse-and-close set connection status))
+          (status (unless (refuse-in-http2 set connection status)
+                    (refuse-and-close set connection status)))
           ((and (connection-outgoing connection) (client-took-octets-p connection))
            ;; The kernel had no room to report all this time, yet the client
            ;; reads: it has the write timeout again.

@@ -21,11 +21,15 @@ as 0.")
   "What TLS handshakes are counted by: the protocol ALPN chose among those
 named, \"other\" for another, \"none\" when it chose none.")
 
-(defparameter *http2-goaway-causes* #(:stop :idle :protocol-error)
+(defparameter *http2-goaway-causes* #(:stop :idle :protocol-error :flood :slow-reader :refused)
   "Why the engine sends an HTTP/2 connection its GOAWAY, as counted: the
-acceptor stops, the connection was idle for the keep-alive timeout, or the
-client broke the protocol (a flood, a frame out of place: libnghttp2's
-verdict).")
+acceptor stops; the connection was idle for the keep-alive timeout; the
+client broke the protocol (a frame out of place: libnghttp2's verdict);
+it sent what costs the server without end (frames that carry nothing, a
+header list decoded past all bounds: ENHANCE_YOUR_CALM); it took none of
+what was sent to it for the write timeout; or it was refused before any
+worker took it (every worker busy past the queue timeout, the memory
+budget spent).")
 
 (defconstant +request-count-stripes+ 8
   "The stripes requests are counted in, each worker counting into one: a

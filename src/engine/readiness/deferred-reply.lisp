@@ -1,8 +1,9 @@
 ;;;; A reply a handler deferred (DEFER-REPLY, src/deferred-replies.lisp):
 ;;;; the handler has returned, its worker is free, and the connection waits
-;;;; in the readiness set, watched only for its client hanging up, until a
+;;;; in the readiness set, watched only for its client resetting it, until a
 ;;;; thread completes the reply, its timeout passes (the sweep answers
-;;;; TIMEOUT-STATUS), or the client goes.  Exactly one of the three settles
+;;;; TIMEOUT-STATUS), or the client goes (a reset, or a failed write: a
+;;;; client that shut down its side of the connection reads its reply).  Exactly one of the three settles
 ;;;; it: each sets OUTCOME by compare-and-swap from NIL.  A completed reply
 ;;;; is sent by a worker, on the road of every reply: the completer only
 ;;;; arms the connection for output, which a socket with room reports at
@@ -45,8 +46,9 @@
   ;; left, or the connection was closed first) or :ABANDONED (the handler
   ;; failed after deferring).
   (outcome nil)
-  ;; True once a report of the client's socket found octets unread: it is
-  ;; then watched for nothing more (what it sent is the next request's).
+  ;; True once a report of the client's socket found octets unread, or its
+  ;; end: it is then watched for nothing more (what it sent is the next
+  ;; request's; a half-closed client reads its reply all the same).
   (input-seen-p nil)
   ;; MONOTONIC-MICROSECONDS when the handler deferred it.
   (deferred-at 0 :type fixnum :read-only t))
@@ -88,12 +90,18 @@ when it could not be armed (the caller closes it)."
   (park-connection set connection (+ (get-internal-real-time) (readiness-set-write-timeout set))))
 
 (defun client-hung-up-p (connection)
-  "True when CONNECTION's client has closed the connection or reset it
-with nothing unread; :INPUT when it sent octets (a next request) before;
-NIL when nothing is to be read (the report was stale)."
+  "What a report of CONNECTION's socket, whose reply waits, says of its
+client: T when it reset the connection, or it failed; :INPUT when it sent
+octets (a next request); :HALF-CLOSED when it shut down its side after its
+request, which RFC 9112 9.6 lets a client do and still read the reply; NIL
+when nothing is to be read (the report was stale).  Only a reset or a
+failed write means the client has gone."
   (let ((octet (make-array 1 :element-type '(unsigned-byte 8))))
     (let ((count (receive-available (connection-fd connection) octet 0 1 :peek t)))
       (case count
-        ((0 :error) t)
+        (:error t)
+        ;; After its end, a reset may come (the answer of a client gone
+        ;; to what was sent since), which the peek does not report.
+        (0 (if (tcp-connection-closed-p (connection-fd connection)) t :half-closed))
         (:would-block nil)
         (t :input)))))

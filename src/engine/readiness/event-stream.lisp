@@ -2,7 +2,7 @@
 ;;;; reply, START-EVENT-STREAM in src/event-streams.lisp): its head sent,
 ;;;; its events go out through its outbox (outbox.lisp, "Sending from any
 ;;;; thread"), and it waits in the readiness set -- for room in its socket,
-;;;; for its client hanging up (or sending, which is never read), for the
+;;;; for its client resetting it (or sending, which is never read), for the
 ;;;; time of its next keep-alive comment,
 ;;;; which keeps proxies from closing an idle stream.  What its client does
 ;;;; not take waits up to MAX-QUEUE-BYTES; a stream that would pass them, or
@@ -104,14 +104,18 @@ not be armed."
                    (take-parked-connection connection))
         (return t)))))
 
+(defun queue-keep-alive-comment (stream)
+  "Queue *KEEP-ALIVE-COMMENT* on STREAM, held by the caller."
+  (queue-counted-octets stream (uncounted-octets *keep-alive-comment*))
+  (setf (event-stream-last-queued stream) (get-internal-real-time)))
+
 (defun event-stream-deadline-reached (stream)
   "STREAM's connection, held by the caller, was parked until a deadline
 that has passed: an idle stream is sent its keep-alive comment and parked
 again; :CLOSE when the caller is to close it, its client having taken
 nothing of what waits for the write timeout."
   (cond ((not (event-stream-queue stream))
-         (queue-counted-octets stream (uncounted-octets *keep-alive-comment*))
-         (setf (event-stream-last-queued stream) (get-internal-real-time))
+         (queue-keep-alive-comment stream)
          (park-event-stream stream))
         ((client-took-octets-p (event-stream-connection stream)) (park-event-stream stream))
         (t (close-for-not-reading stream))))

@@ -36,7 +36,9 @@
 ;;;;   :CLOSE           Close it.
 ;;;;   :LET-GO          Forget it: a handler took it over (DETACH-SOCKET).
 ;;;;   :REFUSE status   Answer the error reply of STATUS and close it;
-;;;;                    :MEMORY is 503 for a memory budget past its limit.
+;;;;                    :MEMORY is 503 for a memory budget past its limit,
+;;;;                    :NOT-HTTP 400 for a request line naming no HTTP
+;;;;                    version (REFUSE-LINE-NAMING-NO-HTTP).
 ;;;;
 ;;;; The face, by what a turn does (the functions' docstrings are the
 ;;;; contracts; those not defined below say in which file):
@@ -138,9 +140,10 @@ connection keeps."
     (:handshake (park-during-handshake set connection detail))
     (:close (close-connection set connection))
     (:let-go (remove-connection set connection))
-    (:refuse (if (eq detail :memory)
-                 (refuse-for-memory set connection)
-                 (refuse-and-close set connection detail)))))
+    (:refuse (case detail
+               (:memory (refuse-for-memory set connection))
+               (:not-http (refuse-line-naming-no-http set connection))
+               (t (refuse-and-close set connection detail))))))
 
 ;;; Deferred reply.
 
@@ -166,7 +169,7 @@ Who arms it)."
   "What CONNECTION's deferred reply is to the turn of the worker holding it:
 :COMPLETED, the reply detached from the connection, then the request, the
 reply and the session of its handler, the status, headers and body it was
-completed with, and the MONOTONIC-MICROSECONDS it was deferred at; :GONE when the client hung up (then told
+completed with, and the MONOTONIC-MICROSECONDS it was deferred at; :GONE when the client reset the connection (then told
 to its ON-CLIENT-GONE) or the reply was settled otherwise (the turn ends
 :CLOSE); :WAITING when the report was stale, or was the client's next
 request arriving (the turn ends :DEFER 0)."
@@ -182,7 +185,7 @@ request arriving (the turn ends :DEFER 0)."
           (outcome :gone)
           (t (case (client-hung-up-p connection)
                ((nil) :waiting)
-               (:input (setf (deferred-reply-input-seen-p deferred) t)
+               ((:input :half-closed) (setf (deferred-reply-input-seen-p deferred) t)
                 :waiting)
                (t (if (settle-deferred-reply-outcome deferred :gone)
                       (progn (note-client-gone set deferred)
@@ -190,7 +193,7 @@ request arriving (the turn ends :DEFER 0)."
                       (settle-deferred-reply set connection))))))))
 
 (defun note-client-gone (set deferred)
-  "DEFERRED's client hung up before its reply: counted, and told to its
+  "DEFERRED's client reset the connection before its reply: counted, and told to its
 ON-CLIENT-GONE, called with DEFERRED and Hunchentoot's specials bound as in
 its handler; an error escaping it is logged."
   (atomic-increment (connection-counters-deferred-clients-gone (readiness-set-counters set)))
@@ -218,11 +221,20 @@ the record, detached, can no longer be completed or sent to."
 
 (defun event-stream-turn (connection)
   "The turn of CONNECTION, an event stream, reported ready: :CLOSE when its
-client hung up, else :EVENT-STREAM (parked again, sending what waits)."
+client reset it, else :EVENT-STREAM (parked again, sending what waits, to
+a client that shut down its side too)."
   (let ((stream (connection-event-stream connection)))
     (case (client-hung-up-p connection)
       ((nil) :event-stream)
       (:input (setf (event-stream-input-seen-p stream) t)
+       :event-stream)
+      (:half-closed
+       (unless (event-stream-input-seen-p stream)
+         ;; A comment sent at once: a client gone, not only half-closed,
+         ;; answers it with a reset, which ends the stream now rather than
+         ;; at its next event.
+         (setf (event-stream-input-seen-p stream) t)
+         (queue-keep-alive-comment stream))
        :event-stream)
       (t :close))))
 

@@ -9,15 +9,37 @@
 ;;;; Frames leave in the order libnghttp2 made them: output is taken from
 ;;;; the session and offered to the outbox under the session's lock
 ;;;; (TAKE-HTTP2-OUTPUT), and the outbox keeps the order offers came in.
-;;;; What waits is bounded by MAX-QUEUE-BYTES: output is taken only while
-;;;; less than half of it waits, so a client that reads nothing holds at
-;;;; most that, its streams' replies waiting in the session (flow control
+;;;; What waits is bounded by MAX-QUEUE-BYTES: output is taken, under that
+;;;; lock, only while less than half of it waits, one frame passing it at
+;;;; most, so an offer always finds room; a client that reads nothing holds
+;;;; at most that, its streams' replies waiting in the session (flow control
 ;;;; and the data source read as the socket drains).
+;;;;
+;;;; Its streams wait their turn.  A stream whose request is whole waits in
+;;;; WAITING, without a worker, until fewer than MAX-RUNNING of the
+;;;; connection's handlers run and what its replies hold for the client is
+;;;; below its BUDGET-SHARE (TAKE-STARTABLE-STREAMS, asked whenever one of
+;;;; them may have changed); so that one client can take neither the pool
+;;;; nor the memory budget.  RUNNING, QUEUED and WAITING are kept under the
+;;;; session's lock.
 ;;;;
 ;;;; These functions never close the connection: they say when the caller
 ;;;; is to (CLOSE-CONNECTION, closing.lisp, ends it).
 
 (in-package #:hunchentoot-recycling-taskmaster)
+
+(defparameter *http2-preface* (map 'octets #'char-code (format nil "PRI * HTTP/2.0~C~C~C~CSM~C~C~C~C"
+                                                             #\Return #\Linefeed #\Return #\Linefeed
+                                                             #\Return #\Linefeed #\Return #\Linefeed))
+  "What an HTTP/2 client sends first (RFC 9113 3.4).")
+
+(defconstant +http2-connections-sharing-budget+ 32
+  "An HTTP/2 connection's streams may hold a 1/32 of the memory budget in
+replies before no more of them begin.")
+
+(defconstant +http2-least-budget-share+ (* 1024 1024)
+  "The octets an HTTP/2 connection's streams may hold in replies however
+small the budget.")
 
 (defstruct (http2-connection (:include outbox) (:constructor %make-http2-connection))
   "What the engine keeps of a connection that speaks HTTP/2."
@@ -26,14 +48,21 @@
   (session nil :type http2-session :read-only t)
   ;; The connection's peer and local addresses, for its streams' requests.
   (addresses '() :read-only t)
-  ;; Its streams whose handlers are queued or running: the holder adds,
-  ;; the workers that ran them subtract.  At most MAX-STREAMS: a stream
-  ;; past them is refused, whatever the client reset meanwhile.
-  (running 0 :type word)
+  ;; Its streams whose handlers are queued or running, and those waiting
+  ;; to be: at most MAX-STREAMS together, a stream past them is refused,
+  ;; whatever the client reset meanwhile.  WAITING is oldest first, with
+  ;; its last cons.
+  (running 0 :type fixnum)
+  (waiting '())
+  (waiting-tail '())
   (max-streams 0 :type fixnum :read-only t)
-  ;; Of those, the ones queued and not begun; and true while a flush of
-  ;; what the others answered is deferred (FINISH-HTTP2-HANDLER).
-  (queued 0 :type word)
+  ;; The most of its handlers that run at once, and the octets its
+  ;; streams' replies may hold before no more of its streams begin.
+  (max-running 0 :type fixnum :read-only t)
+  (budget-share 0 :type fixnum :read-only t)
+  ;; Of the running, the ones queued and not begun; and true while a flush
+  ;; of what the others answered is deferred (FINISH-HTTP2-HANDLER).
+  (queued 0 :type fixnum)
   (flush-pending-p nil)
   ;; Internal time units: idle with no stream open, then with streams
   ;; open whose requests do not arrive.
@@ -44,44 +73,83 @@
   (last-active (get-internal-real-time) :type fixnum)
   ;; Why its GOAWAY is to be sent when it closes (*HTTP2-GOAWAY-CAUSES*),
   ;; or NIL; T once sent.
-  (goaway nil))
+  (goaway nil)
+  ;; Called with the connection, from any thread, when streams of WAITING
+  ;; may begin: queues a worker's task for each (http2-turn.lisp).
+  (start-streams nil :type function :read-only t))
 
 (defmethod print-object ((connection http2-connection) stream)
   (print-unreadable-object (connection stream :type t :identity t)
     (format stream "~S, ~D running" (http2-connection-state connection) (http2-connection-running connection))))
 
-(defun make-http2-connection (set connection acceptor addresses)
+(defun make-http2-connection (set connection acceptor addresses start-streams)
   "Make CONNECTION, held by the caller in SET, speak HTTP/2 with ACCEPTOR's
-limits, counted open; returns its HTTP2-CONNECTION, whose SETTINGS wait
-to be sent."
+limits, counted open, its waiting streams begun by START-STREAMS; returns
+its HTTP2-CONNECTION, whose SETTINGS wait to be sent."
   (let ((budget (readiness-set-memory-budget set)))
     (atomic-increment (readiness-set-http2-count set))
     (atomic-increment (connection-counters-http2-connections (readiness-set-counters set)))
     (setf (connection-http2 connection)
           (%make-http2-connection
-           :connection connection :set set :acceptor acceptor :addresses addresses
+           :connection connection :set set :acceptor acceptor :addresses addresses :start-streams start-streams
            :session (make-http2-session :max-concurrent-streams (acceptor-http2-max-concurrent-streams acceptor)
                                         :max-header-bytes (acceptor-max-header-bytes acceptor)
                                         :max-body-bytes (acceptor-max-body-bytes acceptor)
                                         :budget budget :counters (readiness-set-counters set))
            :max-queue-bytes (acceptor-max-websocket-queue-bytes acceptor)
            :max-streams (acceptor-http2-max-concurrent-streams acceptor)
+           :max-running (acceptor-http2-max-running-streams acceptor)
+           :budget-share (max +http2-least-budget-share+
+                              (floor (memory-budget-limit budget) +http2-connections-sharing-budget+))
            :keep-alive-timeout (readiness-set-keep-alive-timeout set)
            :read-timeout (readiness-set-read-timeout set)))))
 
 (defun offer-http2-output (connection)
   "Move the frames CONNECTION's session has made to its outbox, from any
-thread, while less than half its MAX-QUEUE-BYTES waits; counted against
-the memory budget.  True when some were moved."
-  (let ((room (- (floor (http2-connection-max-queue-bytes connection) 2)
-                 (http2-connection-unsent-octets connection)))
-        (budget (readiness-set-memory-budget (http2-connection-set connection))))
-    (when (plusp room)
-      (take-http2-output (http2-connection-session connection) room
-                         (lambda (octets)
-                           (let ((counted (charged-octets octets budget)))
-                             (offer-outbox-octets connection counted)
-                             (let-go-of-counted-octets counted)))))))
+thread, while less than half its MAX-QUEUE-BYTES waits, asked under the
+session's lock; counted against the memory budget.  True when some were
+moved."
+  (let ((budget (readiness-set-memory-budget (http2-connection-set connection))))
+    (take-http2-output (http2-connection-session connection)
+                       (lambda () (- (floor (http2-connection-max-queue-bytes connection) 2)
+                                     (http2-connection-unsent-octets connection)))
+                       (lambda (octets)
+                         ;; Never refused for want of room, taken under the
+                         ;; lock; dropped when the connection has ended.
+                         (let ((counted (charged-octets octets budget)))
+                           (offer-outbox-octets connection counted)
+                           (let-go-of-counted-octets counted))))))
+
+(defun http2-connection-reply-octets (connection)
+  "The octets CONNECTION's streams' replies hold for its client: taken by
+the library and waiting in its outbox, or not taken yet."
+  (+ (http2-connection-unsent-octets connection)
+     (http2-session-reply-octets (http2-connection-session connection))))
+
+(defun add-waiting-stream (connection stream)
+  "Add STREAM, whole, to CONNECTION's WAITING, under the session's lock:
+false, nothing added, when MAX-STREAMS run or wait already."
+  (bt:with-lock-held ((http2-session-lock (http2-connection-session connection)))
+    (when (< (+ (http2-connection-running connection) (length (http2-connection-waiting connection)))
+             (http2-connection-max-streams connection))
+      (let ((cell (list stream)))
+        (if (http2-connection-waiting connection)
+            (setf (cdr (http2-connection-waiting-tail connection)) cell)
+            (setf (http2-connection-waiting connection) cell))
+        (setf (http2-connection-waiting-tail connection) cell))
+      t)))
+
+(defun take-startable-streams (connection)
+  "The streams of CONNECTION's WAITING that may begin now, oldest first,
+taken from it and counted running and queued: while fewer than MAX-RUNNING
+of its handlers run and its replies hold less than BUDGET-SHARE."
+  (bt:with-lock-held ((http2-session-lock (http2-connection-session connection)))
+    (loop while (and (http2-connection-waiting connection)
+                     (< (http2-connection-running connection) (http2-connection-max-running connection))
+                     (< (http2-connection-reply-octets connection) (http2-connection-budget-share connection)))
+          do (incf (http2-connection-running connection))
+             (incf (http2-connection-queued connection))
+          collect (pop (http2-connection-waiting connection)))))
 
 (defun http2-deadline (connection)
   "When CONNECTION, about to park, is next looked at without its client:
@@ -117,6 +185,9 @@ descriptor could not be armed."
       (when (or (http2-connection-refusal-code connection)
                 (eq (send-http2-frames connection) :failed))
         (return :close))
+      ;; What was sent may have made room for waiting streams.
+      (when (http2-connection-waiting connection)
+        (funcall (http2-connection-start-streams connection) connection))
       (when (and (null (http2-connection-queue connection))
                  (not (http2-session-active-p (http2-connection-session connection))))
         (return :close))
@@ -141,19 +212,24 @@ descriptor could not be armed."
 (defun http2-deadline-reached (connection)
   "CONNECTION's socket, held by the caller, was parked until a deadline
 that has passed: parked again while its handlers run or its client takes
-what is sent; else :CLOSE, after a GOAWAY when it was idle or its streams
-stalled, counted as a write timeout when its client took nothing."
+what is sent; else :CLOSE after a GOAWAY (which a full socket may not
+take): counted as a write timeout when its client took nothing of what
+waits, or let its replies wait on flow control; as idle when it was."
   (let ((holder (http2-connection-connection connection))
         (counters (readiness-set-counters (http2-connection-set connection))))
-    (cond ((http2-connection-queue connection)
-           (if (client-took-octets-p holder)
-               (park-http2-connection connection)
-               (progn (atomic-increment (connection-counters-write-timeouts counters))
-                      :close)))
-          ((plusp (http2-connection-running connection)) (park-http2-connection connection))
-          (t (atomic-increment (connection-counters-keep-alive-timeouts counters))
-             (setf (http2-connection-goaway connection) (or (http2-connection-goaway connection) :idle))
-             :close))))
+    (flet ((close-for (cause)
+             (if (eq cause :slow-reader)
+                 (atomic-increment (connection-counters-write-timeouts counters))
+                 (atomic-increment (connection-counters-keep-alive-timeouts counters)))
+             (setf (http2-connection-goaway connection) (or (http2-connection-goaway connection) cause))
+             :close))
+      (cond ((http2-connection-queue connection)
+             (if (client-took-octets-p holder)
+                 (park-http2-connection connection)
+                 (close-for :slow-reader)))
+            ((plusp (http2-connection-running connection)) (park-http2-connection connection))
+            ((plusp (http2-connection-reply-octets connection)) (close-for :slow-reader))
+            (t (close-for :idle))))))
 
 (defun end-http2-connection (connection)
   "CONNECTION's socket, held by the caller, is being closed: its GOAWAY
@@ -171,3 +247,43 @@ session freed, its queue dropped, counted closed."
       (drop-outbox-queue connection)
       (free-http2-session (http2-connection-session connection))
       (atomic-decrement (readiness-set-http2-count set)))))
+
+;;; Replies the engine makes itself.
+
+(defun submit-whole-http2-reply (session stream status headers body)
+  "Submit the whole reply to STREAM of SESSION, answered by the engine:
+STATUS, HEADERS (an alist of lower-case names and values) and BODY (octets
+or NIL)."
+  (submit-http2-reply-head session stream status headers (and body t))
+  (when body
+    (queue-http2-reply-octets session stream body)
+    (end-http2-reply-body session stream)))
+
+(defun refuse-http2-stream-with (set session stream status &optional explanation)
+  "Answer STREAM the engine's error reply for STATUS, without a handler."
+  (multiple-value-call #'submit-whole-http2-reply session stream
+    (http1-reply-parts (head-error-reply status (readiness-set-server-name set)
+                                         (readiness-set-retry-after-seconds set) explanation))))
+
+(defun http2-refusal-frames (set octets end status)
+  "The frames refusing a connection speaking HTTP/2 whose client sent the
+END octets of OCTETS (its preface and frames): the server's SETTINGS, each
+stream whose request is whole among them answered STATUS by the engine,
+each counted, then GOAWAY NO_ERROR naming the last, so that the client may
+send the others again.  One vector of octets."
+  (let ((session (make-http2-session :max-concurrent-streams 100 :max-header-bytes 16384 :max-body-bytes 0
+                                     :budget (readiness-set-memory-budget set)
+                                     :counters (readiness-set-counters set)))
+        (frames '()))
+    (unwind-protect
+         (flet ((take-output ()
+                  (take-http2-output session (constantly most-positive-fixnum) (lambda (octets) (push octets frames)))))
+           (dolist (stream (receive-http2-octets session octets 0 end))
+             (count-refused-head (readiness-set-counters set) status)
+             (refuse-http2-stream-with set session stream status))
+           ;; The replies first: the library sends a GOAWAY before DATA.
+           (take-output)
+           (submit-http2-goaway session)
+           (take-output))
+      (free-http2-session session))
+    (apply #'concatenate 'octets (nreverse frames))))

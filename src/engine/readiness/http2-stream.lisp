@@ -26,7 +26,7 @@ size (RFC 9113 6.5.2, SETTINGS_MAX_HEADER_LIST_SIZE).")
   (cookies '())
   (host-p nil)
   ;; Octets the header list counts so far, as SETTINGS_MAX_HEADER_LIST_SIZE
-  ;; counts them.
+  ;; counts them, decoded by the library whether kept or not.
   (header-list-size 0 :type fixnum)
   ;; True once its header block is whole: later HEADERS are trailers.
   (headers-done-p nil)
@@ -36,45 +36,52 @@ size (RFC 9113 6.5.2, SETTINGS_MAX_HEADER_LIST_SIZE).")
   (body-length 0 :type fixnum)
   ;; The status answered instead of a handler (400, 413, 431), or NIL.
   (refusal nil)
-  ;; :OPEN while the request arrives, :QUEUED once it is whole and handed
-  ;; to a worker, :ANSWERED once its reply is submitted, :CLOSED.
+  ;; :OPEN while the request arrives, :QUEUED once it is whole and waits
+  ;; for or has a worker, :ANSWERED once its reply's HEADERS are submitted,
+  ;; :CLOSED.
   (state :open)
-  ;; The reply's body, how much of it the library has taken, and the
-  ;; octets of it charged to the memory budget until it is all taken.
-  (reply-body nil)
+  ;; The reply's body as it is made: octet vectors not taken by the
+  ;; library yet, oldest first, the last cons, and where the library's
+  ;; next read starts in the first.  Each is charged to the memory budget
+  ;; from its making until the library has taken it (REPLY-QUEUED octets).
+  (reply-pieces '())
+  (reply-pieces-tail '())
   (reply-position 0 :type fixnum)
-  (reply-charged 0 :type fixnum))
+  (reply-queued 0 :type fixnum)
+  ;; True once the reply's maker has ended its body: the library's read of
+  ;; the last octets ends the stream.
+  (reply-ended-p nil)
+  ;; True while the library waits for more of the body (its read found
+  ;; none): the next octets or the end resume it.
+  (reply-deferred-p nil))
 
 (defun add-request-header (stream name value)
   "Add the header NAME: VALUE (octets) to STREAM's head."
   (push (cons name value) (http2-stream-headers stream))
   (incf (http2-stream-header-octets stream) (+ (length name) (length value) 4)))
 
-(defun note-http2-header (stream name value max-header-bytes max-body-bytes)
+(defun note-http2-header (stream name value max-body-bytes)
   "One header of STREAM's request, NAME and VALUE octets as the library
-checked them (RFC 9113 8.2: lower-case names, no CR, LF or NUL); past
-MAX-HEADER-BYTES of header list, STREAM is refused 431 and the rest
-dropped; a Content-Length past MAX-BODY-BYTES (NIL: none) refuses it 413."
-  (let ((size (+ (http2-stream-header-list-size stream) (length name) (length value) +http2-header-overhead+)))
-    (setf (http2-stream-header-list-size stream) size)
-    (cond ((http2-stream-refusal stream))
-          ((> size max-header-bytes)
-           (setf (http2-stream-refusal stream) 431))
-          ((and (plusp (length name)) (= (aref name 0) #.(char-code #\:)))
-           (let ((text (latin-1-text value 0 (length value))))
-             (cond ((octets-equal-string-p name ":method") (setf (http2-stream-method stream) text))
-                   ((octets-equal-string-p name ":path") (setf (http2-stream-path stream) text))
-                   ((octets-equal-string-p name ":authority") (setf (http2-stream-authority stream) text)))))
-          ((octets-equal-string-p name "cookie")
-           (push value (http2-stream-cookies stream)))
-          ;; Its length is the body's, counted as it comes.
-          ((octets-equal-string-p name "content-length")
-           (let ((length (ignore-errors (parse-integer (latin-1-text value 0 (length value))))))
-             (when (and length max-body-bytes (> length max-body-bytes))
-               (setf (http2-stream-refusal stream) 413))))
-          (t (when (octets-equal-string-p name "host")
-               (setf (http2-stream-host-p stream) t))
-             (add-request-header stream name value)))))
+checked them (RFC 9113 8.2: lower-case names, no CR, LF or NUL), within
+the header list's limit (its size is counted by the session as the
+library decodes it, HEADER-LIST-SIZE); a Content-Length past
+MAX-BODY-BYTES (NIL: none) refuses it 413."
+  (cond ((http2-stream-refusal stream))
+        ((and (plusp (length name)) (= (aref name 0) #.(char-code #\:)))
+         (let ((text (latin-1-text value 0 (length value))))
+           (cond ((octets-equal-string-p name ":method") (setf (http2-stream-method stream) text))
+                 ((octets-equal-string-p name ":path") (setf (http2-stream-path stream) text))
+                 ((octets-equal-string-p name ":authority") (setf (http2-stream-authority stream) text)))))
+        ((octets-equal-string-p name "cookie")
+         (push value (http2-stream-cookies stream)))
+        ;; Its length is the body's, counted as it comes.
+        ((octets-equal-string-p name "content-length")
+         (let ((length (ignore-errors (parse-integer (latin-1-text value 0 (length value))))))
+           (when (and length max-body-bytes (> length max-body-bytes))
+             (setf (http2-stream-refusal stream) 413))))
+        (t (when (octets-equal-string-p name "host")
+             (setf (http2-stream-host-p stream) t))
+           (add-request-header stream name value))))
 
 (defun octets-equal-string-p (octets string)
   (declare (type octets octets) (type simple-string string))
@@ -104,10 +111,11 @@ its body dropped."
   (setf (http2-stream-body-pieces stream) '()
         (http2-stream-body-length stream) 0))
 
-(defun http2-stream-request-octets (stream)
-  "STREAM's request as an HTTP/1.1 head and its body, in one vector; second
-and third values, where the head's request line ends (its LF) and where
-the head ends."
+(defun http2-stream-request-octets (stream body-pieces body-length)
+  "STREAM's request as an HTTP/1.1 head and its body -- BODY-PIECES, newest
+first, BODY-LENGTH octets, taken from it (TAKE-HTTP2-STREAM-BODY) -- in one
+vector; second and third values, where the head's request line ends (its
+LF) and where the head ends."
   (let* ((request-line (format nil "~A ~A HTTP/1.1~C~C" (or (http2-stream-method stream) "GET")
                                (or (http2-stream-path stream) "") #\Return #\Linefeed))
          (extra (with-output-to-string (out)
@@ -118,11 +126,11 @@ the head ends."
                             (mapcar (lambda (value) (latin-1-text value 0 (length value)))
                                     (reverse (http2-stream-cookies stream)))
                             #\Return #\Linefeed))
-                  (when (or (plusp (http2-stream-body-length stream))
+                  (when (or (plusp body-length)
                             (member (http2-stream-method stream) '("POST" "PUT" "PATCH") :test #'equal))
-                    (format out "content-length: ~D~C~C" (http2-stream-body-length stream) #\Return #\Linefeed))))
+                    (format out "content-length: ~D~C~C" body-length #\Return #\Linefeed))))
          (head-end (+ (length request-line) (http2-stream-header-octets stream) (length extra) 2))
-         (octets (make-array (+ head-end (http2-stream-body-length stream)) :element-type '(unsigned-byte 8)))
+         (octets (make-array (+ head-end body-length) :element-type '(unsigned-byte 8)))
          (position 0))
     (declare (type fixnum position))
     (flet ((add-text (text)
@@ -140,7 +148,7 @@ the head ends."
                (add-octets #.(coerce #(13 10) 'octets)))
       (add-text extra)
       (add-octets #.(coerce #(13 10) 'octets))
-      (dolist (piece (reverse (http2-stream-body-pieces stream)))
+      (dolist (piece (reverse body-pieces))
         (add-octets piece)))
     (values octets (1- (length request-line)) head-end)))
 

@@ -1,9 +1,10 @@
 ;;;; The turn of a connection speaking HTTP/2 (http2-connection.lisp): what
 ;;;; the client sent is given to its session, and each stream whose request
-;;;; became whole is handed to a worker task (worker-tasks.lisp), so that
-;;;; its streams' handlers run in parallel, up to the concurrent stream
-;;;; limit, and a slow one delays no other.  The task calls back into
-;;;; serving/ (http2-streams.lisp) for the reply, submits it and sends it.
+;;;; became whole waits its turn (TAKE-STARTABLE-STREAMS) for a worker task
+;;;; (worker-tasks.lisp), so that its streams' handlers run in parallel, up
+;;;; to the connection's share of the pool, and a slow one delays no other.
+;;;; The task calls back into serving/ (http2-streams.lisp) to answer the
+;;;; stream's request on its HTTP2-REPLY-STREAM (http2-reply.lisp).
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -11,11 +12,6 @@
   "The most reads a worker makes of one HTTP/2 connection before it parks
 it again, so that a client sending without pause does not keep a worker
 from the others.")
-
-(defparameter *http2-preface* (map 'octets #'char-code (format nil "PRI * HTTP/2.0~C~C~C~CSM~C~C~C~C"
-                                                             #\Return #\Linefeed #\Return #\Linefeed
-                                                             #\Return #\Linefeed #\Return #\Linefeed))
-  "What an HTTP/2 client sends first (RFC 9113 3.4).")
 
 (defun connection-http2-state (connection buffer end)
   "Whether CONNECTION, held by the caller, its octets starting BUFFER up to
@@ -32,6 +28,28 @@ they are the start of the preface; else NIL."
           ((>= end (length preface)) :http2)
           (t :partial))))
 
+(defparameter *http2-protocol-error-reply*
+  (coerce #(0 0 0 4 0 0 0 0 0                 ; SETTINGS, empty
+            0 0 8 7 0 0 0 0 0 0 0 0 0 0 0 0 1) ; GOAWAY, last stream 0, PROTOCOL_ERROR
+          'octets)
+  "What a connection that began with no HTTP/1 request line, nor HTTP/2's
+preface, is sent where HTTP/2 is spoken: the server's preface, then the
+end of the connection (RFC 9113 3.4).")
+
+(defun refuse-line-naming-no-http (set connection)
+  "Close CONNECTION, held by the caller, whose request line named no HTTP
+version: on a plain connection that has been answered nothing, of an
+acceptor speaking h2c, it was a client's broken HTTP/2 preface, answered
+with *HTTP2-PROTOCOL-ERROR-REPLY*; else it is refused 400 as ever."
+  (if (and (plain-connection-p connection) (not (connection-answered-p connection)))
+      (progn (count-refused-head (readiness-set-counters set) 400)
+             (count-http2-goaway (readiness-set-counters set) :protocol-error)
+             (ignore-errors (send-without-waiting (connection-fd connection) *http2-protocol-error-reply*))
+             (linger-before-close connection)
+             (close-connection set connection)
+             (funcall (readiness-set-refusal-logger set) connection 400))
+      (refuse-and-close set connection 400)))
+
 (defun http2-client-reads-slower-than-it-sends-p (connection)
   "True when half CONNECTION's queue limit waits for its client: the turn
 reads no more of what it sends until it has taken that."
@@ -41,114 +59,109 @@ reads no more of what it sends until it has taken that."
   "The turn of HOLDER, a connection held by the caller that speaks HTTP/2,
 from now on if it did not yet (MAKE-HTTP2-CONNECTION, with ACCEPTOR's
 limits): give what its client sent, the END octets starting BUFFER and
-what its socket has, to its session, and start each stream whose request
-became whole (START-HTTP2-STREAM, with ANSWER), until it would wait.
-:HTTP2 (to be parked), or :CLOSE when the client has gone."
+what its socket has, every octet read, to its session, and admit each
+stream whose request became whole (ADMIT-HTTP2-STREAM; its task calls
+ANSWER), until the socket would wait or +HTTP2-READS-PER-TURN+ reads were
+made (the connection is then armed again as it parks: octets are left on
+its socket).  :HTTP2 (to be parked), or :CLOSE when the client has gone."
   (let ((connection (or (connection-http2 holder)
-                        (make-http2-connection set holder acceptor (connection-addresses holder))))
-        (tasks '()))
-    (unwind-protect
-         (loop repeat +http2-reads-per-turn+
-               do (when (plusp end)
-                    (setf (http2-connection-last-active connection) (get-internal-real-time))
-                    (multiple-value-bind (streams failure)
-                        (receive-http2-octets (http2-connection-session connection) buffer 0 end)
-                      (dolist (stream streams)
-                        (let ((task (start-http2-stream set connection stream answer)))
-                          (when task (push task tasks))))
-                      (when failure
-                        (return :http2))))
-                  (when (http2-client-reads-slower-than-it-sends-p connection)
-                    (return :http2))
-                  (let ((count (receive-bytes holder buffer 0 (length buffer))))
-                    (case count
-                      (:would-block (return :http2))
-                      ((:error 0) (return :close))
-                      (t (setf end count))))
-               finally (return :http2))
+                        (make-http2-connection set holder acceptor (connection-addresses holder)
+                                               (lambda (connection) (start-waiting-streams connection answer))))))
+    (prog1 (loop for reads from 0
+                 do (when (plusp end)
+                      (setf (http2-connection-last-active connection) (get-internal-real-time))
+                      (multiple-value-bind (streams failure)
+                          (receive-http2-octets (http2-connection-session connection) buffer 0 end)
+                        (dolist (stream streams)
+                          (admit-http2-stream set connection stream))
+                        (when failure
+                          (return :http2))))
+                    (when (or (>= reads +http2-reads-per-turn+) (http2-client-reads-slower-than-it-sends-p connection))
+                      ;; Octets may wait that no new edge will report.
+                      (setf (connection-unread-p holder) t)
+                      (return :http2))
+                    (let ((count (receive-bytes holder buffer 0 (length buffer))))
+                      (case count
+                        (:would-block (return :http2))
+                        ((:error 0) (return :close))
+                        (t (setf end count)))))
       ;; Run by this worker once the connection is parked, unless another
       ;; is woken for them first (worker-tasks.lisp).
-      (queue-worker-tasks set (nreverse tasks)))))
+      (start-waiting-streams connection answer))))
 
-(defun refuse-http2-stream-for-memory (set session stream)
-  "Answer STREAM 503, as a request refused while the memory budget is
-spent; reset it (REFUSED_STREAM) when even that has no room."
-  (count-reply (readiness-set-counters set) 503)
-  (when (eq :no-memory
-            (multiple-value-call #'submit-http2-reply session stream
-              (http1-reply-parts (head-error-reply 503 (readiness-set-server-name set)
-                                                   (readiness-set-retry-after-seconds set)
-                                                   "This server is short of memory for the moment."))))
-    (refuse-http2-stream session stream)))
-
-(defun reserve-http2-handler (connection)
-  "Count one more of CONNECTION's handlers as running: false, nothing
-counted, when MAX-STREAMS run or wait already."
-  (loop for running = (http2-connection-running connection)
-        do (cond ((>= running (http2-connection-max-streams connection)) (return nil))
-                 ((compare-and-swap (http2-connection-running connection) running (1+ running)) (return t)))))
-
-(defun start-http2-stream (set connection stream answer)
-  "The task that answers STREAM of CONNECTION, whose request is whole, in
-a worker: it calls ANSWER with the worker's SERVING, the request's
-octets (an HTTP/1.1 head and its body), where the request line and the head end, the acceptor and
-the connection's addresses, counts and sends the reply it returns (status,
-an alist of lower-case header names and values, body octets or NIL).  NIL
-for a stream refused (413, 431, 503), answered at once, without a worker,
-for one past MAX-STREAMS handlers, reset with REFUSED_STREAM, and for one
-the client reset already."
+(defun admit-http2-stream (set connection stream)
+  "Take STREAM of CONNECTION, whose request is whole, to be answered: at
+once, without a worker, when it is refused (413, 431, 503 for a body the
+memory budget had no room for), or while the memory budget is spent (503,
+as HTTP/1.1's new requests); reset with REFUSED_STREAM when MAX-STREAMS of
+the connection's handlers run or wait already; dropped when the client
+reset it already; else it waits its turn (ADD-WAITING-STREAM)."
   (let ((refusal (http2-stream-refusal stream))
-        (session (http2-connection-session connection))
-        (acceptor (http2-connection-acceptor connection)))
+        (session (http2-connection-session connection)))
     (cond ((eq (http2-stream-state stream) :closed)
            ;; Reset by the client in the octets that made it whole.
            nil)
           (refusal
-           (when (eq :no-memory
-                     (multiple-value-call #'submit-http2-reply session stream
-                       (http1-reply-parts (head-error-reply refusal (readiness-set-server-name set)
-                                                            (readiness-set-retry-after-seconds set)))))
-             (refuse-http2-stream session stream))
-           nil)
-          ((reserve-http2-handler connection)
-           (atomic-increment (http2-connection-queued connection))
-           (lambda (serving)
-             (atomic-decrement (http2-connection-queued connection))
-             (unwind-protect
-                  (let ((start (monotonic-microseconds)))
-                    (multiple-value-bind (status headers body)
-                        (multiple-value-bind (octets request-line-end head-end) (http2-stream-request-octets stream)
-                          (funcall answer serving octets request-line-end head-end
-                                   acceptor (http2-connection-addresses connection)))
-                      (count-answered-request (readiness-set-counters set)
-                                              (mod (http2-stream-id stream) +request-count-stripes+)
-                                              status (- (monotonic-microseconds) start))
-                      (when (eq :no-memory (submit-http2-reply session stream status headers body))
-                        ;; Its body would pass the memory budget.
-                        (refuse-http2-stream-for-memory set session stream))))
-               (finish-http2-handler connection))))
+           (count-refused-head (readiness-set-counters set) refusal)
+           (refuse-http2-stream-with set session stream refusal))
+          ((memory-budget-exceeded-p (readiness-set-memory-budget set))
+           (atomic-increment (memory-budget-refusals (readiness-set-memory-budget set)))
+           (count-reply (readiness-set-counters set) 503)
+           (refuse-http2-stream-with set session stream 503
+                                     "This server is short of memory for the moment.  Please try again later."))
+          ((add-waiting-stream connection stream))
           (t (atomic-increment (connection-counters-http2-streams-refused (readiness-set-counters set)))
-             (refuse-http2-stream session stream)
-             nil))))
+             (refuse-http2-stream session stream)))))
 
-(defun flush-http2-connection (connection)
-  "Send what CONNECTION's session has made: by the caller when the
-connection is parked (SERVE-OUTBOX-OUTPUT), else by its holder."
-  (setf (http2-connection-flush-pending-p connection) nil)
-  (offer-http2-output connection)
-  ;; Parked with no deadline while handlers ran: parked again, its
-  ;; deadline is the idle one once none runs.
-  (serve-outbox-output connection))
+(defun start-waiting-streams (connection answer)
+  "Queue a worker task for each stream of CONNECTION that may begin now
+(TAKE-STARTABLE-STREAMS), from any thread."
+  (let ((streams (take-startable-streams connection)))
+    (when streams
+      (queue-worker-tasks (http2-connection-set connection)
+                          (mapcar (lambda (stream) (http2-stream-task connection stream answer)) streams)))))
 
-(defun finish-http2-handler (connection)
-  "One of CONNECTION's handlers has ended, its reply submitted: counted, and
-sent (FLUSH-HTTP2-CONNECTION) now, or, while more of its streams wait to
-be begun -- most likely by this worker, next -- with theirs when the last
-of them ends, and in any case within +TASK-NUDGE-MILLISECONDS+: a batch of
+(defun http2-stream-task (connection stream answer)
+  "The task that answers STREAM of CONNECTION in a worker: it calls ANSWER
+with the worker's SERVING, the stream's HTTP2-REPLY-STREAM, the request's
+octets (an HTTP/1.1 head and its body), where the request line and the
+head end, the acceptor and the connection's addresses; then ends the
+reply, counts it, and lets the connection's next streams begin."
+  (let ((set (http2-connection-set connection)))
+    (lambda (serving)
+      (bt:with-lock-held ((http2-session-lock (http2-connection-session connection)))
+        (decf (http2-connection-queued connection)))
+      (multiple-value-bind (body-pieces body-length)
+          (take-http2-stream-body (http2-connection-session connection) stream)
+        (unwind-protect
+             (let ((start (monotonic-microseconds))
+                   (reply (make-http2-reply-stream connection stream)))
+               (multiple-value-bind (octets request-line-end head-end)
+                   (http2-stream-request-octets stream body-pieces (or body-length 0))
+                 (setf body-pieces '())
+                 (unwind-protect
+                      (funcall answer serving reply octets request-line-end head-end
+                               (http2-connection-acceptor connection) (http2-connection-addresses connection))
+                   (count-answered-request (readiness-set-counters set)
+                                           (mod (http2-stream-id stream) +request-count-stripes+)
+                                           (end-http2-reply reply) (- (monotonic-microseconds) start)))))
+          ;; The body, taken with its charge, is the task's until the request ends.
+          (release-memory (readiness-set-memory-budget set) (or body-length 0))
+          (finish-http2-handler connection answer))))))
+
+(defun finish-http2-handler (connection answer)
+  "One of CONNECTION's handlers has ended, its reply ended: counted, the
+streams waiting their turn begun, what was answered sent
+(FLUSH-HTTP2-CONNECTION) now, or, while more of its streams wait to be
+begun -- most likely by this worker, next -- with theirs when the last of
+them ends, and in any case within +TASK-NUDGE-MILLISECONDS+: a batch of
 streams' replies leaves in one send, not one each (a send a stream was a
 fifth of an HTTP/2 request's time, bench/profiles/2026-11-28-http2.txt)."
-  (atomic-decrement (http2-connection-running connection))
-  (setf (http2-connection-last-active connection) (get-internal-real-time))
-  (cond ((zerop (http2-connection-queued connection)) (flush-http2-connection connection))
-        ((compare-and-swap (http2-connection-flush-pending-p connection) nil t)
-         (call-soon (http2-connection-set connection) (lambda () (flush-http2-connection connection))))))
+  (let ((queued (bt:with-lock-held ((http2-session-lock (http2-connection-session connection)))
+                  (decf (http2-connection-running connection))
+                  (http2-connection-queued connection))))
+    (setf (http2-connection-last-active connection) (get-internal-real-time))
+    (start-waiting-streams connection answer)
+    (cond ((zerop queued) (flush-http2-connection connection))
+          ((compare-and-swap (http2-connection-flush-pending-p connection) nil t)
+           (call-soon (http2-connection-set connection) (lambda () (flush-http2-connection connection)))))))

@@ -8,40 +8,20 @@
 ;;;;
 ;;;; Locking.  libnghttp2 is not thread-safe: every call on a session is made
 ;;;; with its LOCK held -- by the connection's holder reading frames, or by
-;;;; the worker whose handler answered one of its streams.  FREE-HTTP2-SESSION
-;;;; also takes it, so that a late answer finds the session gone, not freed
-;;;; memory.
+;;;; the worker whose handler answers one of its streams.  Its streams'
+;;;; replies are kept under it too.  FREE-HTTP2-SESSION also takes it, so
+;;;; that a late answer finds the session gone, not freed memory.
 ;;;;
-;;;; Each stream's request is kept by http2-stream.lisp.
+;;;; A reply's body is given to the library as it is made (QUEUE-HTTP2-REPLY-OCTETS):
+;;;; the library reads it as flow control lets DATA frames go, and waits
+;;;; (its read deferred) while none is there.  What waits is counted in the
+;;;; memory budget until the library has read it.
+;;;;
+;;;; What a client may cost is counted as the callbacks see it
+;;;; (http2-session.lisp).  Each stream's request is kept by
+;;;; http2-stream.lisp.
 
 (in-package #:hunchentoot-recycling-taskmaster)
-
-(defconstant +http2-max-continuations+ 16
-  "The most CONTINUATION frames one header block may take: a client that
-sends more is sent GOAWAY and the connection ends (CVE-2024-28182).  A
-header list within the limit fits in two frames of the default size.")
-
-(defstruct (http2-session (:constructor %make-http2-session))
-  "libnghttp2's server session of one connection, and its streams."
-  (pointer (cffi:null-pointer))
-  (lock (bt:make-lock "http2-session") :read-only t)
-  ;; Stream id -> HTTP2-STREAM, for the streams not closed yet.
-  (streams (make-hash-table) :read-only t)
-  ;; Streams whose request is whole and not yet handed out, newest first.
-  (ready '())
-  ;; Limits, from the acceptor.
-  (max-header-bytes 0 :type fixnum :read-only t)
-  (max-body-bytes nil :read-only t)
-  (budget nil :read-only t)
-  ;; The CONNECTION-COUNTERS its streams, resets and GOAWAYs are counted in.
-  (counters nil :read-only t)
-  ;; The octets of its streams' reply bodies charged to BUDGET: what a
-  ;; client that reads nothing makes the server hold beyond the outbox.
-  (reply-octets 0 :type fixnum)
-  ;; CONTINUATION frames of the header block being received; true once
-  ;; they passed +HTTP2-MAX-CONTINUATIONS+.
-  (continuations 0 :type fixnum)
-  (flooded-p nil))
 
 (defvar *http2-session* nil
   "The HTTP2-SESSION whose library call the calling thread is in, for the
@@ -50,21 +30,12 @@ callbacks.")
 (defun http2-stream-of (stream-id)
   (gethash stream-id (http2-session-streams *http2-session*)))
 
-;;; What the client sends, as the library reports it.
-
 (defun foreign-octets (pointer length)
   "The LENGTH octets at POINTER, copied into a fresh vector."
   (let ((octets (make-array length :element-type '(unsigned-byte 8))))
     (cffi:with-pointer-to-vector-data (to octets)
       (cffi:foreign-funcall "memcpy" :pointer to :pointer pointer :size length :pointer))
     octets))
-
-(defun release-http2-reply (session stream)
-  "Give the octets of STREAM's reply body back to SESSION's memory budget."
-  (let ((octets (shiftf (http2-stream-reply-charged stream) 0)))
-    (when (plusp octets)
-      (decf (http2-session-reply-octets session) octets)
-      (release-memory (http2-session-budget session) octets))))
 
 (defun note-http2-stream-whole (stream)
   "STREAM's request is whole, or refused: it is ready to be answered."
@@ -87,18 +58,27 @@ signals (the session then ends with INTERNAL_ERROR)."
   (let ((id (cffi:foreign-slot-value frame '(:struct nghttp2-frame-hd) 'stream-id)))
     (unless (http2-stream-of id)
       (atomic-increment (connection-counters-http2-streams (http2-session-counters *http2-session*)))
+      (incf (http2-session-opened-streams *http2-session*))
       (setf (gethash id (http2-session-streams *http2-session*)) (make-http2-stream id)))
     0))
 
 (define-http2-callback http2-header :int ((session :pointer) (frame :pointer) (name :pointer) (name-length :size)
                                          (value :pointer) (value-length :size) (flags :uint8) (user-data :pointer))
   (declare (ignore session flags user-data))
-  (let ((stream (http2-stream-of (cffi:foreign-slot-value frame '(:struct nghttp2-frame-hd) 'stream-id))))
-    (when (and stream (not (http2-stream-headers-done-p stream)))
-      (note-http2-header stream (foreign-octets name name-length) (foreign-octets value value-length)
-                         (http2-session-max-header-bytes *http2-session*)
-                         (http2-session-max-body-bytes *http2-session*)))
-    0))
+  (let ((stream (http2-stream-of (cffi:foreign-slot-value frame '(:struct nghttp2-frame-hd) 'stream-id)))
+        (max-header-bytes (http2-session-max-header-bytes *http2-session*)))
+    (cond ((or (null stream) (http2-stream-headers-done-p stream)) 0)
+          ((> (incf (http2-stream-header-list-size stream) (+ name-length value-length +http2-header-overhead+))
+              (* +http2-header-list-slack+ max-header-bytes))
+           (note-http2-flood *http2-session*))
+          ((> (http2-stream-header-list-size stream) max-header-bytes)
+           ;; Refused; its fields are no more copied.
+           (unless (http2-stream-refusal stream)
+             (setf (http2-stream-refusal stream) 431))
+           0)
+          (t (note-http2-header stream (foreign-octets name name-length) (foreign-octets value value-length)
+                                (http2-session-max-body-bytes *http2-session*))
+             0))))
 
 (define-http2-callback http2-frame-received :int ((session :pointer) (frame :pointer) (user-data :pointer))
   (declare (ignore session user-data))
@@ -132,49 +112,41 @@ signals (the session then ends with INTERNAL_ERROR)."
       (unless (or (zerop error-code) (eq (http2-stream-state stream) :answered))
         (atomic-increment (connection-counters-http2-streams-reset (http2-session-counters *http2-session*))))
       (drop-http2-stream-body stream (http2-session-budget *http2-session*))
-      (release-http2-reply *http2-session* stream)
-      (setf (http2-stream-state stream) :closed
-            (http2-stream-reply-body stream) nil)
-      (remhash stream-id (http2-session-streams *http2-session*)))
+      (setf (http2-stream-state stream) :closed)
+      (remhash stream-id (http2-session-streams *http2-session*))
+      (note-http2-stream-closed *http2-session* stream))
     0))
 
 (define-http2-callback http2-read-reply-body :long ((session :pointer) (stream-id :int32) (buffer :pointer)
                                                     (length :size) (data-flags :pointer) (source :pointer)
                                                     (user-data :pointer))
   (declare (ignore session source user-data))
-  (let* ((stream (http2-stream-of stream-id))
-         (body (and stream (http2-stream-reply-body stream))))
-    (if (null body)
-        +nghttp2-err-temporal-callback-failure+
-        (let* ((start (http2-stream-reply-position stream))
-               (count (min length (- (length body) start))))
-          (cffi:with-pointer-to-vector-data (from body)
-            (cffi:foreign-funcall "memcpy" :pointer buffer :pointer (cffi:inc-pointer from start)
-                                           :size count :pointer))
-          (incf (http2-stream-reply-position stream) count)
-          (when (= (http2-stream-reply-position stream) (length body))
-            (setf (cffi:mem-ref data-flags :uint32) +nghttp2-data-flag-eof+
-                  (http2-stream-reply-body stream) nil)
-            (release-http2-reply *http2-session* stream))
-          count))))
+  (let ((stream (http2-stream-of stream-id)))
+    (cond ((null stream) +nghttp2-err-temporal-callback-failure+)
+          ((and (null (http2-stream-reply-pieces stream)) (not (http2-stream-reply-ended-p stream)))
+           (setf (http2-stream-reply-deferred-p stream) t)
+           +nghttp2-err-deferred+)
+          (t (let ((count (read-http2-reply-octets *http2-session* stream buffer length)))
+               (when (and (null (http2-stream-reply-pieces stream)) (http2-stream-reply-ended-p stream))
+                 (setf (cffi:mem-ref data-flags :uint32) +nghttp2-data-flag-eof+))
+               count)))))
 
 (define-http2-callback http2-frame-begins :int ((session :pointer) (head :pointer) (user-data :pointer))
   (declare (ignore session user-data))
-  (let ((type (cffi:foreign-slot-value head '(:struct nghttp2-frame-hd) 'type))
-        (session *http2-session*))
-    (cond ((= type +nghttp2-headers+) (setf (http2-session-continuations session) 0) 0)
-          ((/= type +nghttp2-continuation+) 0)
-          ((> (incf (http2-session-continuations session)) +http2-max-continuations+)
-           (setf (http2-session-flooded-p session) t)
-           +nghttp2-err-callback-failure+)
-          (t 0))))
+  (if (http2-frame-allowed-p *http2-session* (cffi:foreign-slot-value head '(:struct nghttp2-frame-hd) 'type)
+                             (cffi:foreign-slot-value head '(:struct nghttp2-frame-hd) 'stream-id)
+                             (cffi:foreign-slot-value head '(:struct nghttp2-frame-hd) 'length)
+                             (cffi:foreign-slot-value head '(:struct nghttp2-frame-hd) 'flags))
+      0
+      +nghttp2-err-callback-failure+))
 
 (define-http2-callback http2-frame-sent :int ((session :pointer) (frame :pointer) (user-data :pointer))
   (declare (ignore session user-data))
   ;; The library's own GOAWAYs carry an error; the engine's, NO_ERROR.
   (when (and (= (cffi:foreign-slot-value frame '(:struct nghttp2-frame-hd) 'type) +nghttp2-goaway+)
              (/= (cffi:foreign-slot-value frame '(:struct nghttp2-goaway) 'error-code) +nghttp2-no-error+))
-    (count-http2-goaway (http2-session-counters *http2-session*) :protocol-error))
+    (count-http2-goaway (http2-session-counters *http2-session*)
+                        (if (http2-session-flooded-p *http2-session*) :flood :protocol-error)))
   0)
 
 ;;; The callbacks, made once: each session copies them.
@@ -205,8 +177,8 @@ signals (the session then ends with INTERNAL_ERROR)."
 (defun make-http2-session (&key max-concurrent-streams max-header-bytes max-body-bytes budget counters)
   "A server session announcing MAX-CONCURRENT-STREAMS and a header list of
 MAX-HEADER-BYTES in its SETTINGS (queued, taken with the first output),
-refusing bodies past MAX-BODY-BYTES (NIL: none), keeping bodies in BUDGET,
-counting into COUNTERS.  Free it with FREE-HTTP2-SESSION."
+refusing bodies past MAX-BODY-BYTES (NIL: none), keeping bodies and
+replies in BUDGET, counting into COUNTERS.  Free it with FREE-HTTP2-SESSION."
   (let ((session (%make-http2-session :max-header-bytes max-header-bytes :max-body-bytes max-body-bytes
                                       :budget budget :counters counters)))
     (cffi:with-foreign-object (pointer :pointer)
@@ -232,23 +204,14 @@ running BODY when SESSION has been freed."
          ,@body))))
 
 (defun free-http2-session (session)
-  "Free SESSION's library state and the bodies its streams keep."
+  "Free SESSION's library state and the bodies and replies its streams keep."
   (with-http2-session (session)
     (loop for stream being the hash-values of (http2-session-streams session)
           do (drop-http2-stream-body stream (http2-session-budget session))
-             (release-http2-reply session stream)
-             (setf (http2-stream-state stream) :closed))
+             (setf (http2-stream-state stream) :closed)
+             (drop-http2-reply session stream))
     (clrhash (http2-session-streams session))
     (%nghttp2-session-del (shiftf (http2-session-pointer session) (cffi:null-pointer)))))
-
-(defun http2-session-held-octets (session)
-  "The octets SESSION holds for its client: bodies arriving, replies not
-taken by the library."
-  (or (with-http2-session (session)
-        (+ (http2-session-reply-octets session)
-           (loop for stream being the hash-values of (http2-session-streams session)
-                 sum (http2-stream-body-length stream))))
-      0))
 
 (defun receive-http2-octets (session octets start end)
   "Give the octets of OCTETS from START below END, from the client, to
@@ -262,20 +225,22 @@ end (its GOAWAY is then queued, taken by TAKE-HTTP2-OUTPUT)."
       (when (minusp result)
         ;; The session is broken: its GOAWAY goes out, then it ends.
         (%nghttp2-session-terminate (http2-session-pointer session)
-                                    (if (http2-session-flooded-p session)
-                                        +nghttp2-enhance-your-calm+
-                                        +nghttp2-internal-error+)))
+                                    (cond ((http2-session-flooded-p session) +nghttp2-enhance-your-calm+)
+                                          ((http2-session-protocol-error-p session) +nghttp2-protocol-error+)
+                                          (t +nghttp2-internal-error+))))
       (values (nreverse (shiftf (http2-session-ready session) '()))
               (when (minusp result) (%nghttp2-strerror result))))))
 
-(defun take-http2-output (session limit deliver)
-  "Take the frames SESSION has to send, about LIMIT octets of them at most
-(one frame may pass it), and call DELIVER with them, fresh octets, while
-SESSION's lock is still held, so that output taken by two threads is
-delivered in the order it was taken.  True when there were some."
+(defun take-http2-output (session room deliver)
+  "Take the frames SESSION has to send while the function ROOM, called
+with SESSION's lock held, says there is room for more (a count of
+octets), one frame at most passing it; call DELIVER with them, fresh
+octets, while the lock is still held, so that output taken by two threads
+is delivered in the order it was taken.  True when there were some."
   (with-http2-session (session)
     (let ((pieces '())
           (total 0)
+          (limit (funcall room))
           (pointer (http2-session-pointer session)))
       (cffi:with-foreign-object (data :pointer)
         (loop while (< total limit)
@@ -309,6 +274,8 @@ delivered in the order it was taken.  True when there were some."
       (or (plusp (%nghttp2-session-want-read pointer))
           (plusp (%nghttp2-session-want-write pointer))))))
 
+;;; Replies.
+
 (defun fill-header-fields (nva fields text)
   "Make NVA, a foreign array of nghttp2_nv, name FIELDS (an alist of
 strings), whose octets are at TEXT one after the other (HEADER-FIELDS-TEXT)."
@@ -324,37 +291,63 @@ strings), whose octets are at TEXT one after the other (HEADER-FIELDS-TEXT)."
                      (cffi:foreign-slot-value entry '(:struct nghttp2-nv) 'flags) 0)
                (incf position (+ (length name) (length value)))))))
 
-(defun submit-http2-reply (session stream status headers body)
-  "Submit the reply to STREAM of SESSION: STATUS, HEADERS (an alist of
-lower-case name and value strings), and BODY (octets, or NIL for none).
-:NO-MEMORY, nothing submitted, when the memory budget has no room for
-BODY, which the session holds until the library has taken it all; false
-when STREAM or SESSION has ended meanwhile."
+(defun submit-http2-reply-head (session stream status headers body-p)
+  "Submit the HEADERS of STREAM's reply: STATUS and HEADERS (an alist of
+lower-case name and value strings); with a body to come when BODY-P (read
+as QUEUE-HTTP2-REPLY-OCTETS gives it), else the stream's end.  False when
+STREAM or SESSION has ended, or the stream was answered."
   (with-http2-session (session)
-    (cond
-      ((not (eq (http2-stream-state stream) :queued)) nil)
-      ((and body (plusp (length body)) (not (reserve-memory (http2-session-budget session) (length body))))
-       :no-memory)
-      (t
-      (setf (http2-stream-state stream) :answered
-            (http2-stream-reply-body stream) (and body (plusp (length body)) body)
-            (http2-stream-reply-position stream) 0)
-      (when (http2-stream-reply-body stream)
-        (incf (http2-session-reply-octets session) (length body))
-        (setf (http2-stream-reply-charged stream) (length body)))
+    (when (eq (http2-stream-state stream) :queued)
+      (setf (http2-stream-state stream) :answered)
       (let* ((fields (cons (cons ":status" (princ-to-string status)) headers))
              (count (length fields))
              (octets (header-fields-text fields)))
         (cffi:with-foreign-objects ((nva '(:struct nghttp2-nv) count)
                                     (provider '(:struct nghttp2-data-provider)))
-         (cffi:with-pointer-to-vector-data (text octets)
-          ;; The library copies the fields, while OCTETS stay where they are.
-          (fill-header-fields nva fields text)
-          (setf (cffi:foreign-slot-value provider '(:struct nghttp2-data-provider) 'source) (cffi:null-pointer)
-                (cffi:foreign-slot-value provider '(:struct nghttp2-data-provider) 'read-callback)
-                (cffi:callback http2-read-reply-body))
-          (zerop (%nghttp2-submit-response (http2-session-pointer session) (http2-stream-id stream) nva count
-                                           (if (http2-stream-reply-body stream) provider (cffi:null-pointer)))))))))))
+          (cffi:with-pointer-to-vector-data (text octets)
+            ;; The library copies the fields, while OCTETS stay where they are.
+            (fill-header-fields nva fields text)
+            (setf (cffi:foreign-slot-value provider '(:struct nghttp2-data-provider) 'source) (cffi:null-pointer)
+                  (cffi:foreign-slot-value provider '(:struct nghttp2-data-provider) 'read-callback)
+                  (cffi:callback http2-read-reply-body))
+            (zerop (%nghttp2-submit-response (http2-session-pointer session) (http2-stream-id stream) nva count
+                                             (if body-p provider (cffi:null-pointer))))))))))
+
+(defun resume-http2-reply (session stream)
+  "Let the library read STREAM's reply again if it was waiting for more.
+With SESSION's lock held."
+  (when (http2-stream-reply-deferred-p stream)
+    (setf (http2-stream-reply-deferred-p stream) nil)
+    (%nghttp2-session-resume-data (http2-session-pointer session) (http2-stream-id stream))))
+
+(defun queue-http2-reply-octets (session stream octets &key reserve)
+  "Add OCTETS, a vector no one changes from now on, to STREAM's reply body,
+charged to SESSION's memory budget until the library reads them -- or,
+when RESERVE, taken from it only if they fit (else :NO-MEMORY, nothing
+added).  False, nothing added, when STREAM or SESSION has ended."
+  (with-http2-session (session)
+    (cond
+      ((eq (http2-stream-state stream) :closed) nil)
+      ((and reserve (not (reserve-memory (http2-session-budget session) (length octets)))) :no-memory)
+      (t (let ((cell (list octets)))
+           (if (http2-stream-reply-pieces stream)
+               (setf (cdr (http2-stream-reply-pieces-tail stream)) cell)
+               (setf (http2-stream-reply-pieces stream) cell))
+           (setf (http2-stream-reply-pieces-tail stream) cell))
+         (incf (http2-stream-reply-queued stream) (length octets))
+         (incf (http2-session-reply-octets session) (length octets))
+         (unless reserve
+           (charge-memory (http2-session-budget session) (length octets)))
+         (resume-http2-reply session stream)
+         t))))
+
+(defun end-http2-reply-body (session stream)
+  "End STREAM's reply body: the library ends the stream once it has read
+what waits."
+  (with-http2-session (session)
+    (unless (eq (http2-stream-state stream) :closed)
+      (setf (http2-stream-reply-ended-p stream) t)
+      (resume-http2-reply session stream))))
 
 (defun refuse-http2-stream (session stream)
   "Reset STREAM of SESSION with REFUSED_STREAM: the client may send it again
@@ -364,6 +357,15 @@ when STREAM or SESSION has ended meanwhile."
       (setf (http2-stream-state stream) :answered)
       (%nghttp2-submit-rst-stream (http2-session-pointer session) 0 (http2-stream-id stream)
                                   +nghttp2-refused-stream+))))
+
+(defun reset-http2-stream (session stream)
+  "Reset STREAM of SESSION with INTERNAL_ERROR: its reply was begun and
+cannot be ended as it should (its maker failed, or waited past the write
+timeout)."
+  (with-http2-session (session)
+    (unless (eq (http2-stream-state stream) :closed)
+      (%nghttp2-submit-rst-stream (http2-session-pointer session) 0 (http2-stream-id stream)
+                                  +nghttp2-internal-error+))))
 
 (defun submit-http2-goaway (session)
   "Queue SESSION's GOAWAY, NO_ERROR, naming the last stream it processed:

@@ -110,9 +110,12 @@ buffer.  True when they all could be read; false when the file ended early
           do (write-sequence buffer stream :end (min count (- end position)))
           finally (return (>= position end)))))
 
-(defun write-reply-body (body file-fd stream)
-  "Write BODY -- NIL, octets, or a list of pieces whose file pieces are
-copied from FILE-FD -- to STREAM.  True when it all went whole."
+(defgeneric write-reply-body (body file-fd stream)
+  (:documentation "Write BODY -- NIL, octets the writer keeps no more, or a
+list of pieces whose file pieces are copied from FILE-FD -- to STREAM, the
+whole body of a reply.  True when it all went whole."))
+
+(defmethod write-reply-body (body file-fd stream)
   (loop for piece in (body-pieces body)
         always (if (piece-octets piece)
                    (progn (write-sequence (piece-octets piece) stream

@@ -1,58 +1,58 @@
 ;;;; The request of an HTTP/2 stream, answered by a worker: readiness/
-;;;; (http2-connection.lisp) reads the connection's frames and hands each
-;;;; whole request to a worker task, which calls ANSWER-HTTP2-REQUEST.
+;;;; (http2-turn.lisp) reads the connection's frames and hands each whole
+;;;; request to a worker task, which calls ANSWER-HTTP2-REQUEST.
 ;;;;
 ;;;; Each stream is a Hunchentoot request: its head, rebuilt as HTTP/1.1,
 ;;;; parsed by the request cycle's parser, its protocol :HTTP/2.0, processed
-;;;; by HUNCHENTOOT:PROCESS-REQUEST with the connection stream an in-memory
-;;;; one, so that every road a reply takes (the engine's octets, Hunchentoot's
-;;;; START-OUTPUT, SEND-HEADERS streams, static files) writes it as on
-;;;; HTTP/1.1, never chunked (Hunchentoot chunks HTTP/1.1 only); its parts
-;;;; are then read back (HTTP1-REPLY-PARTS) and sent as HEADERS and DATA.
-;;;; A streamed reply leaves when its handler returns.
+;;;; by HUNCHENTOOT:PROCESS-REQUEST with the connection stream the stream's
+;;;; HTTP2-REPLY-STREAM (readiness/http2-reply.lisp), so that every road a
+;;;; reply takes (the engine's octets, Hunchentoot's START-OUTPUT,
+;;;; SEND-HEADERS streams, static files) writes it as on HTTP/1.1, never
+;;;; chunked (Hunchentoot chunks HTTP/1.1 only), and it leaves as HEADERS
+;;;; and DATA as it is written.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defun answer-http2-request (serving octets request-line-end head-end acceptor addresses)
-  "The reply to the HTTP/2 request in OCTETS -- an HTTP/1.1 head, its
-request line's LF at REQUEST-LINE-END, ending at HEAD-END, then the body
--- made on ACCEPTOR for a connection with ADDRESSES: its status, headers
-and body (HTTP1-REPLY-PARTS).  A head the parser refuses is answered as
-on HTTP/1.1; 503 when the pool is stopping."
+(defun answer-http2-request (serving reply octets request-line-end head-end acceptor addresses)
+  "Answer the HTTP/2 request in OCTETS -- an HTTP/1.1 head, its request
+line's LF at REQUEST-LINE-END, ending at HEAD-END, then the body -- made on
+ACCEPTOR for a connection with ADDRESSES, writing its reply to REPLY.  A
+head the parser refuses is answered as on HTTP/1.1; 503 when the pool is
+stopping."
   (let ((server-name (serving-server-header-value serving)))
-    (handler-case
-        (let ((head (parse-request-head octets 0 request-line-end head-end
-                                        (serving-name-scratch serving) (serving-request-head serving))))
-          (setf (request-head-protocol head) :http/2.0)
-          (http1-reply-parts
-           (or (process-http2-request serving acceptor head addresses
-                                      (make-octets-input-stream octets :start head-end))
-               (head-error-reply 503 server-name 1))))
-      (request-head-refused (condition)
-        (http1-reply-parts (head-error-reply (refused-status condition) server-name 1))))))
+    (flet ((refuse (status)
+             (write-sequence (head-error-reply status server-name 1) reply)))
+      (handler-case
+          (let ((head (parse-request-head octets 0 request-line-end head-end
+                                          (serving-name-scratch serving) (serving-request-head serving))))
+            (setf (request-head-protocol head) :http/2.0)
+            (unless (process-http2-request serving acceptor head addresses
+                                           (make-octets-input-stream octets :start head-end) reply)
+              (refuse 503)))
+        (request-head-refused (condition)
+          (refuse (refused-status condition)))))))
 
-(defun process-http2-request (serving acceptor head addresses content-stream)
+(defun process-http2-request (serving acceptor head addresses content-stream reply)
   "Process the request of HEAD, its body read from CONTENT-STREAM, as
-ANSWER-REQUEST does, its reply written to an in-memory stream: the reply
-as HTTP/1.1 octets, or NIL when the pool is stopping."
+ANSWER-REQUEST does, its reply written to REPLY.  False, nothing done,
+when the pool is stopping."
   (let ((taskmaster (engine-taskmaster (serving-engine serving)))
         (worker (serving-worker serving))
-        (output (make-octets-output-stream))
         (status nil))
     (unless (note-request-started taskmaster worker)
       (return-from process-http2-request nil))
     (unwind-protect
          (with-connection-bindings ()
            (with-request-bindings ()
-             (setf (current-connection-stream) output
+             (setf (current-connection-stream) reply
                    (serving-reply-connection serving) nil
                    (serving-reply-sent-p serving) nil
                    (serving-upgrade serving) nil
                    (serving-deferred serving) nil
                    (serving-event-stream serving) nil)
-             (let* ((reply (make-reply (serving-constructors serving)
-                                       (serving-plain-header-methods-p serving)))
-                    (hunchentoot:*reply* reply)
+             (let* ((reply-object (make-reply (serving-constructors serving)
+                                              (serving-plain-header-methods-p serving)))
+                    (hunchentoot:*reply* reply-object)
                     (hunchentoot:*session* nil))
                (flet ((process-request ()
                         (hunchentoot:process-request
@@ -60,10 +60,9 @@ as HTTP/1.1 octets, or NIL when the pool is stopping."
                  (declare (dynamic-extent #'process-request))
                  (call-with-request-counted acceptor (serving-requests-in-progress-location serving)
                                             #'process-request))
-               (setf status (hunchentoot:return-code reply))
-               (finish-output (current-connection-stream)))))
+               (setf status (hunchentoot:return-code reply-object)))))
       (note-request-finished taskmaster worker :answered (and status t)))
-    (output-stream-octets output)))
+    t))
 
 (defun answer-http2-frames (serving connection end)
   "The turn of CONNECTION, speaking HTTP/2 from now if it did not yet, END

@@ -198,7 +198,12 @@ END octets having arrived in all, or begin reading its body."
          (head (handler-case (parse-request-head buffer request-start request-line-end head-end
                                                  (serving-name-scratch serving) (serving-request-head serving))
                  (request-head-refused (condition)
-                   (return-from answer-head (values :refuse (refused-status condition))))))
+                   ;; A line naming no HTTP version, where HTTP/2 is spoken
+                   ;; too, may be a broken preface (END-TURN tells).
+                   (return-from answer-head
+                     (values :refuse (if (and (serving-http2-p serving) (not (refused-head-http-p condition)))
+                                         :not-http
+                                         (refused-status condition)))))))
          (headers (request-head-headers head))
          (max-body-bytes (serving-max-body-bytes serving))
          (framing nil)
