@@ -194,7 +194,8 @@ file (a Range is not applied: the coded octets are not the file's)."
     (end-request-with hunchentoot:+http-not-modified+))
   (let ((coded (coded-octets (car coding) (cdr coding) (file-octets file))))
     (unless (send-reply-pieces request hunchentoot:+http-ok+ (length coded)
-                               (unless (eq (hunchentoot:request-method request) :head) coded))
+                               (unless (eq (hunchentoot:request-method request) :head) coded)
+                               nil t)
       (setf (finish-processing-connection-p) t))
     nil))
 

@@ -462,6 +462,23 @@ THREAD-COUNT workers."
     (is (< (hunchentoot-recycling-taskmaster::idle-gauge-idle-share busy) 5/100))
     (is (zerop (hunchentoot-recycling-taskmaster::idle-gauge-growth-budget busy)))))
 
+(test growth.held-while-the-garbage-collector-takes-its-share
+  ;; Half idle, but a fifth of the last second in the collector, every
+  ;; thread stopped: a worker more would hold more of a short heap.
+  (let ((gauge (hunchentoot-recycling-taskmaster::make-idle-gauge (hunchentoot-recycling-taskmaster::processor-limit))))
+    (unwind-protect
+         (multiple-value-bind (idle total) (hunchentoot-recycling-taskmaster::read-processor-ticks (hunchentoot-recycling-taskmaster::idle-gauge-ticks gauge))
+           (setf (hunchentoot-recycling-taskmaster::idle-gauge-read-at gauge)
+                 (- (get-internal-real-time) internal-time-units-per-second)
+                 (hunchentoot-recycling-taskmaster::idle-gauge-idle-ticks gauge) (- idle 5000)
+                 (hunchentoot-recycling-taskmaster::idle-gauge-total-ticks gauge) (- total 10000)
+                 (hunchentoot-recycling-taskmaster::idle-gauge-collection-time gauge)
+                 (- (hunchentoot-recycling-taskmaster::garbage-collection-time) (floor internal-time-units-per-second 5)))
+           (hunchentoot-recycling-taskmaster::refresh-idle-gauge gauge 10)
+           (is-true (hunchentoot-recycling-taskmaster::idle-gauge-collecting-p gauge))
+           (is (zerop (hunchentoot-recycling-taskmaster::idle-gauge-growth-budget gauge)) "no growth meanwhile"))
+      (hunchentoot-recycling-taskmaster::close-idle-gauge gauge))))
+
 (test growth.declined-while-handlers-keep-the-processors-busy
   (with-thread-leak-check ()
     (with-server (server (pooled-server :standby-thread-count 2))

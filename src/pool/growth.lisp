@@ -20,7 +20,12 @@
 ;;;; worker has taken and the processors the process may use
 ;;;; (sys/processors.lisp: its affinity mask, its cgroup's quota) were idle for part of
 ;;;; the last moment, by at most the idle share of the pool's size until it
-;;;; is measured again; growth declines otherwise, and looks again at
+;;;; is measured again -- and the garbage collector took less than
+;;;; +COLLECTION-SHARE-TO-HOLD+ of it: while it collects, every thread
+;;;; stopped, the processors look idle, but a worker added would only
+;;;; hold more of a heap already short (a thousand handlers building
+;;;; megabytes each grew the pool to 68 threads and the heap to 90 %);
+;;;; growth declines otherwise, and looks again at
 ;;;; growing intervals while no worker waits, since a pool whose every
 ;;;; worker blocks has nobody left to ask.  Until the pool grows, each
 ;;;; weighing is the last for an interval, which doubles up to
@@ -52,6 +57,10 @@ the kernel counts it in ticks of 10 ms.")
   "The share of the processors' time that must have been idle for the pool
 to grow.")
 
+(defconstant +collection-share-to-hold+ 1/10
+  "The share of the time the garbage collector may take, between two
+readings of the idle share, for the pool to grow.")
+
 (defstruct (idle-gauge (:constructor make-idle-gauge (limit &aux (ticks (make-processor-ticks limit)))))
   "The idle share of the processors LIMIT allows the process, measured by
 the thread-making thread only."
@@ -61,6 +70,11 @@ the thread-making thread only."
   (read-at nil)
   (idle-ticks 0)
   (total-ticks 0)
+  ;; GARBAGE-COLLECTION-TIME at the last reading, and whether the
+  ;; collector took +COLLECTION-SHARE-TO-HOLD+ or more of the time since
+  ;; the reading before.
+  (collection-time (garbage-collection-time))
+  (collecting-p nil)
   ;; Idle ticks over all ticks between the last two readings at least
   ;; +IDLE-SAMPLE-SECONDS+ apart; NIL when the time cannot be read.
   (idle-share nil)
@@ -88,24 +102,33 @@ bound while the share is measured again."
                            ((> total (idle-gauge-total-ticks gauge))
                             (/ (- idle (idle-gauge-idle-ticks gauge)) (- total (idle-gauge-total-ticks gauge))))
                            (t (idle-gauge-idle-share gauge)))))
-          (setf (idle-gauge-idle-share gauge) share
-                (idle-gauge-growth-budget gauge) (if (and share (>= share +idle-share-to-grow+))
+          (setf (idle-gauge-collecting-p gauge)
+                (and read-at (>= (- (garbage-collection-time) (idle-gauge-collection-time gauge))
+                                 (* +collection-share-to-hold+ (- now read-at))))
+                (idle-gauge-idle-share gauge) share
+                (idle-gauge-growth-budget gauge) (if (and share (>= share +idle-share-to-grow+)
+                                                          (not (idle-gauge-collecting-p gauge)))
                                                      (max 1 (ceiling (* share thread-count)))
                                                      0)
+                (idle-gauge-collection-time gauge) (garbage-collection-time)
                 (idle-gauge-read-at gauge) now
                 (idle-gauge-idle-ticks gauge) (or idle 0)
                 (idle-gauge-total-ticks gauge) (or total 0)))))))
 
-(defun take-growth-budget (taskmaster)
-  "True when the processors' idle time leaves room for one more worker (or
-cannot be read), which is then counted against it."
+(defun refreshed-idle-gauge (taskmaster)
+  "TASKMASTER's idle gauge, read again if its reading is old."
   (let ((gauge (or (pool-idle-gauge taskmaster)
                    (setf (pool-idle-gauge taskmaster) (make-idle-gauge (pool-processor-limit taskmaster))))))
     (refresh-idle-gauge gauge (pool-thread-count taskmaster))
-    (cond ((null (idle-gauge-idle-share gauge)) t)
-          ((plusp (idle-gauge-growth-budget gauge))
-           (decf (idle-gauge-growth-budget gauge))
-           t))))
+    gauge))
+
+(defun take-growth-budget (gauge)
+  "True when the processors' idle time, as GAUGE read it, leaves room for
+one more worker (or cannot be read), which is then counted against it."
+  (cond ((null (idle-gauge-idle-share gauge)) t)
+        ((plusp (idle-gauge-growth-budget gauge))
+         (decf (idle-gauge-growth-budget gauge))
+         t)))
 
 (defun handler-waiting-p (taskmaster)
   "True when a worker has been inside its request for +LONG-REQUEST-SECONDS+
@@ -121,16 +144,19 @@ last wrote them."
 (defun growth-decision (taskmaster)
   "What to do about a request for one more worker: :DROP it when a worker
 waits; :LATER when no work waits yet; :GROW when a worker rests while a
-handler waits, or the processors' idle time leaves room for a worker; else
+handler waits, or the processors' idle time leaves room for a worker,
+unless the garbage collector took a large share of the time; else
 :DECLINE."
   (cond ((plusp (waiting-worker-count taskmaster)) :drop)
         ((not (engine-work-waiting-p (taskmaster-engine taskmaster))) :later)
-        ((with-pool-lock (taskmaster)
-           (and (plusp (unreleased-resting-count taskmaster))
-                (handler-waiting-p taskmaster)))
-         :grow)
-        ((take-growth-budget taskmaster) :grow)
-        (t :decline)))
+        (t (let ((gauge (refreshed-idle-gauge taskmaster)))
+             (cond ((idle-gauge-collecting-p gauge) :decline)
+                   ((with-pool-lock (taskmaster)
+                      (and (plusp (unreleased-resting-count taskmaster))
+                           (handler-waiting-p taskmaster)))
+                    :grow)
+                   ((take-growth-budget gauge) :grow)
+                   (t :decline))))))
 
 (defun drop-growth-request (taskmaster)
   "Forget the request for one more worker, weighed while a worker waited,

@@ -17,10 +17,12 @@
 ;;;;
 ;;;; Its streams wait their turn.  A stream whose request is whole waits in
 ;;;; WAITING, without a worker, until fewer than MAX-RUNNING of the
-;;;; connection's handlers run and what its replies hold for the client is
-;;;; below its BUDGET-SHARE (TAKE-STARTABLE-STREAMS, asked whenever one of
-;;;; them may have changed); so that one client can take neither the pool
-;;;; nor the memory budget.  RUNNING, QUEUED and WAITING are kept under the
+;;;; connection's handlers run, and what its replies hold for the client,
+;;;; with what those running will make at the REPLY-SIZE its replies have
+;;;; had, is below its BUDGET-SHARE (TAKE-STARTABLE-STREAMS, asked whenever
+;;;; one of them may have changed); so that one client can take neither the
+;;;; pool nor the memory budget, nor make replies faster than it reads
+;;;; them.  RUNNING, QUEUED, WAITING and REPLY-SIZE are kept under the
 ;;;; session's lock.
 ;;;;
 ;;;; These functions never close the connection: they say when the caller
@@ -60,6 +62,10 @@ small the budget.")
   ;; streams' replies may hold before no more of its streams begin.
   (max-running 0 :type fixnum :read-only t)
   (budget-share 0 :type fixnum :read-only t)
+  ;; The octets a reply of its streams is expected to take: a moving
+  ;; average of those made, from a quarter of BUDGET-SHARE (so that four
+  ;; begin at first, until the replies tell).
+  (reply-size 0 :type fixnum)
   ;; Of the running, the ones queued and not begun; and true while a flush
   ;; of what the others answered is deferred (FINISH-HTTP2-HANDLER).
   (queued 0 :type fixnum)
@@ -99,10 +105,14 @@ its HTTP2-CONNECTION, whose SETTINGS wait to be sent."
            :max-queue-bytes (acceptor-max-websocket-queue-bytes acceptor)
            :max-streams (acceptor-http2-max-concurrent-streams acceptor)
            :max-running (acceptor-http2-max-running-streams acceptor)
-           :budget-share (max +http2-least-budget-share+
-                              (floor (memory-budget-limit budget) +http2-connections-sharing-budget+))
+           :budget-share (http2-budget-share budget)
+           :reply-size (floor (http2-budget-share budget) 4)
            :keep-alive-timeout (readiness-set-keep-alive-timeout set)
            :read-timeout (readiness-set-read-timeout set)))))
+
+(defun http2-budget-share (budget)
+  "The octets the streams of one HTTP/2 connection may hold in replies."
+  (max +http2-least-budget-share+ (floor (memory-budget-limit budget) +http2-connections-sharing-budget+)))
 
 (defun offer-http2-output (connection)
   "Move the frames CONNECTION's session has made to its outbox, from any
@@ -142,14 +152,25 @@ false, nothing added, when MAX-STREAMS run or wait already."
 (defun take-startable-streams (connection)
   "The streams of CONNECTION's WAITING that may begin now, oldest first,
 taken from it and counted running and queued: while fewer than MAX-RUNNING
-of its handlers run and its replies hold less than BUDGET-SHARE."
+of its handlers run, and its replies, with one of REPLY-SIZE for each
+handler running and the next, hold less than BUDGET-SHARE; one at least
+when none runs."
   (bt:with-lock-held ((http2-session-lock (http2-connection-session connection)))
     (loop while (and (http2-connection-waiting connection)
                      (< (http2-connection-running connection) (http2-connection-max-running connection))
-                     (< (http2-connection-reply-octets connection) (http2-connection-budget-share connection)))
+                     (or (zerop (http2-connection-running connection))
+                         (< (+ (http2-connection-reply-octets connection)
+                               (* (1+ (http2-connection-running connection)) (http2-connection-reply-size connection)))
+                            (http2-connection-budget-share connection))))
           do (incf (http2-connection-running connection))
              (incf (http2-connection-queued connection))
           collect (pop (http2-connection-waiting connection)))))
+
+(defun note-http2-reply-size (connection octets)
+  "A reply of OCTETS was made on CONNECTION: its REPLY-SIZE moves a
+quarter of the way to it.  With the session's lock held."
+  (incf (http2-connection-reply-size connection)
+        (floor (- octets (http2-connection-reply-size connection)) 4)))
 
 (defun http2-deadline (connection)
   "When CONNECTION, about to park, is next looked at without its client:

@@ -48,6 +48,8 @@ size (RFC 9113 6.5.2, SETTINGS_MAX_HEADER_LIST_SIZE).")
   (reply-pieces-tail '())
   (reply-position 0 :type fixnum)
   (reply-queued 0 :type fixnum)
+  ;; The octets of the reply's body made so far, taken or not.
+  (reply-made 0 :type fixnum)
   ;; True once the reply's maker has ended its body: the library's read of
   ;; the last octets ends the stream.
   (reply-ended-p nil)

@@ -147,18 +147,20 @@ reply, counts it, and lets the connection's next streams begin."
                                            (end-http2-reply reply) (- (monotonic-microseconds) start)))))
           ;; The body, taken with its charge, is the task's until the request ends.
           (release-memory (readiness-set-memory-budget set) (or body-length 0))
-          (finish-http2-handler connection answer))))))
+          (finish-http2-handler connection stream answer))))))
 
-(defun finish-http2-handler (connection answer)
-  "One of CONNECTION's handlers has ended, its reply ended: counted, the
-streams waiting their turn begun, what was answered sent
-(FLUSH-HTTP2-CONNECTION) now, or, while more of its streams wait to be
-begun -- most likely by this worker, next -- with theirs when the last of
-them ends, and in any case within +TASK-NUDGE-MILLISECONDS+: a batch of
+(defun finish-http2-handler (connection stream answer)
+  "The handler of STREAM, one of CONNECTION's, has ended, its reply ended:
+counted, its reply's size noted, the streams waiting their turn begun,
+what was answered sent (FLUSH-HTTP2-CONNECTION) now, or, while more of its
+streams wait to be begun -- most likely by this worker, next -- with
+theirs when the last of them ends, and in any case within
++TASK-NUDGE-MILLISECONDS+: a batch of
 streams' replies leaves in one send, not one each (a send a stream was a
 fifth of an HTTP/2 request's time, bench/profiles/2026-11-28-http2.txt)."
   (let ((queued (bt:with-lock-held ((http2-session-lock (http2-connection-session connection)))
                   (decf (http2-connection-running connection))
+                  (note-http2-reply-size connection (http2-stream-reply-made stream))
                   (http2-connection-queued connection))))
     (setf (http2-connection-last-active connection) (get-internal-real-time))
     (start-waiting-streams connection answer)

@@ -335,6 +335,7 @@ added).  False, nothing added, when STREAM or SESSION has ended."
                (setf (http2-stream-reply-pieces stream) cell))
            (setf (http2-stream-reply-pieces-tail stream) cell))
          (incf (http2-stream-reply-queued stream) (length octets))
+         (incf (http2-stream-reply-made stream) (length octets))
          (incf (http2-session-reply-octets session) (length octets))
          (unless reserve
            (charge-memory (http2-session-budget session) (length octets)))

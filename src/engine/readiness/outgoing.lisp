@@ -54,13 +54,14 @@ early; or the pieces left, the first one's START moved past what went."
                         (t (incf (piece-start piece) count)))))
         finally (return :sent)))
 
-(defun keep-outgoing (set connection pieces file-fd borrowed-octets)
+(defun keep-outgoing (set connection pieces file-fd borrowed-octets &optional owned-octets)
   "Make PIECES CONNECTION's OUTGOING: pieces of BORROWED-OCTETS (a buffer
 the caller reuses) copied and their copies counted in SET's memory budget,
-FILE-FD duplicated if a file piece is left.  Octets the handler made are
-kept as they are and not counted: they are the application's, and may be
-one vector every reply shares.  False when no descriptor was left to
-duplicate it with."
+as are OWNED-OCTETS, the engine's own copy of the body (the octets of a
+handler's string, a coded copy), when given; FILE-FD duplicated if a file
+piece is left.  Octets the handler made are kept as they are and not
+counted: they are the application's, and may be one vector every reply
+shares.  False when no descriptor was left to duplicate it with."
   (let ((file-fd (and (notevery #'piece-octets pieces) (duplicate-fd file-fd))))
     (when (or file-fd (every #'piece-octets pieces))
       (let* ((copied 0)
@@ -73,9 +74,11 @@ duplicate it with."
                                                                              0 count))
                                                         piece))
                                       file-fd)))
+        (when owned-octets
+          (incf copied (length owned-octets)))
         (setf (outgoing-charged outgoing) copied
               (connection-outgoing connection) outgoing)
-        ;; The copy is made: counted, not refused.
+        ;; The copies are made: counted, not refused.
         (charge-memory (readiness-set-memory-budget set) copied))
       (atomic-increment (readiness-set-outgoing-count set))
       t)))
@@ -123,15 +126,17 @@ whole body of a reply.  True when it all went whole."))
                           t)
                    (copy-file-octets file-fd stream (piece-start piece) (piece-end piece)))))
 
-(defun send-reply-without-waiting (set connection head head-end body file-fd)
+(defun send-reply-without-waiting (set connection head head-end body file-fd &optional owned-body-p)
   "Send a reply on CONNECTION, held by the caller, as far as its socket
 takes it now: the octets of HEAD below HEAD-END (a buffer the caller
 reuses), then BODY -- NIL, octets, or a list of pieces whose file pieces
 are read from FILE-FD, which stays the caller's.  The rest is kept as
-CONNECTION's OUTGOING; nothing is allocated when the socket takes the head
-and a body of octets whole.  True when the reply went or will; false when
-the client has gone or the file ended early."
-  (let ((sent (send-octets (connection-fd connection) head 0 head-end :more body)))
+CONNECTION's OUTGOING, counted in the memory budget when OWNED-BODY-P says
+BODY is octets the engine made (KEEP-OUTGOING); nothing is allocated when
+the socket takes the head and a body of octets whole.  True when the reply
+went or will; false when the client has gone or the file ended early."
+  (let ((sent (send-octets (connection-fd connection) head 0 head-end :more body))
+        (owned (and owned-body-p (typep body 'octets) body)))
     (cond ((eq sent :error) nil)
           ((and (eql sent head-end) (typep body 'octets))
            (let ((body-sent (send-octets (connection-fd connection) body 0 (length body))))
@@ -140,12 +145,12 @@ the client has gone or the file ended early."
                    (t (keep-outgoing set connection
                                      (list (make-octets-piece body (if (integerp body-sent) body-sent 0)
                                                               (length body)))
-                                     nil nil)))))
+                                     nil nil owned)))))
           ((eql sent head-end)
            (or (null body) (send-reply-pieces-without-waiting set connection body file-fd nil)))
           (t (keep-outgoing set connection
                             (cons (make-octets-piece head (if (integerp sent) sent 0) head-end) (body-pieces body))
-                            file-fd head)))))
+                            file-fd head owned)))))
 
 (defun drop-outgoing (set connection)
   "Forget CONNECTION's OUTGOING, sent or not, closing its file."

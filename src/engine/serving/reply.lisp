@@ -183,11 +183,12 @@ stream.  NIL otherwise."
          (eq (current-connection-stream) (connection-stream connection))
          connection)))
 
-(defun send-reply-pieces (request return-code content-length body &optional file-fd)
+(defun send-reply-pieces (request return-code content-length body &optional file-fd owned-body-p)
   "Send RETURN-CODE's head (see BUILD-REPLY-HEAD) for a body of
-CONTENT-LENGTH octets, then BODY: NIL, octets, a string of REPLY-BODY's,
-or a list of pieces whose file pieces are read from FILE-FD, which stays
-the caller's.  On a plain connection the reply is sent without waiting and
+CONTENT-LENGTH octets, then BODY: NIL, octets (the engine's own copy, no
+one's after, when OWNED-BODY-P: counted in the memory budget while it
+waits for the client), a string of REPLY-BODY's, or a list of pieces whose
+file pieces are read from FILE-FD, which stays the caller's.  On a plain connection the reply is sent without waiting and
 what the socket does not take is left to the engine, which sends it when
 the client reads; a string, or octets up to +COALESCED-BODY-BYTES+, go in
 the head's buffer, and such a reply waits in the worker's batch when the
@@ -213,7 +214,8 @@ or will; false when the client has gone or the file ended early."
                    (batch-reply (serving-reply-batch *serving*) connection
                                 (reply-head-octets head) (reply-head-end head)))
               (send-reply-without-waiting (serving-set *serving*) connection
-                                          (reply-head-octets head) (reply-head-end head) body file-fd)))
+                                          (reply-head-octets head) (reply-head-end head) body file-fd
+                                          owned-body-p)))
         (let ((stream (current-connection-stream)))
           (write-sequence (reply-head-octets head) stream :end (reply-head-end head))
           (write-reply-body (if (stringp body) (ascii-string-octets body) body) file-fd stream)))))
@@ -224,7 +226,8 @@ body as octets (SEND-REPLY-PIECES), coded as the client accepts
 (CODE-REPLY-BODY).  No body for HEAD, and its headers GET's."
   (let ((body (code-reply-body request return-code (reply-body content))))
     (unless (send-reply-pieces request return-code (length body)
-                               (unless (eq (hunchentoot:request-method request) :head) body))
+                               (unless (eq (hunchentoot:request-method request) :head) body)
+                               nil (not (eq body content)))
       (setf (finish-processing-connection-p) t))))
 
 (defun send-head-only (return-code omitted)
