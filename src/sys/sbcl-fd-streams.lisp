@@ -89,5 +89,19 @@ through serve-event (a handler, queued output) is closed by CLOSE itself."
              (when (and (/= fd -1) (compare-and-swap (sb-impl::fd-stream-fd stream) fd -1))
                (sb-unix:unix-close fd)))
            (sb-impl::set-closed-flame stream))
-         (sb-impl::release-fd-stream-buffers stream)))
+         (release-fd-stream-buffers stream)))
   t)
+
+(defun release-fd-stream-buffers (stream)
+  "Give STREAM's buffers back to SBCL's pool, as CLOSE does: its input and
+output buffers and those of its output queue.  SBCL's own function for it
+went in 2.6.3 (folded into RELEASE-FD-STREAM-RESOURCES, which closes the
+descriptor too and cancels a finalizer): its steps, which 2.2.9 and 2.6
+share, are taken here."
+  (let ((ibuf (shiftf (sb-impl::fd-stream-ibuf stream) nil))
+        (obuf (shiftf (sb-impl::fd-stream-obuf stream) nil)))
+    (when ibuf (sb-impl::release-buffer ibuf))
+    (when obuf (sb-impl::release-buffer obuf))
+    (dolist (buffer (shiftf (sb-impl::fd-stream-output-queue stream) nil))
+      (when (sb-impl::buffer-p buffer)
+        (sb-impl::release-buffer buffer)))))
