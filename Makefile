@@ -26,14 +26,25 @@
 #                        same moment: each one's requests per processor second on the per-core table's kept-alive cells
 # make bench-compression  a 10 KiB page with gzip offered, ours and nginx at level 1; ours with zstd and br
 # make bench-waits       the 1 ms handler cells: ours sleeping, ours deferring its reply to its timer, nginx's echo_sleep
+# make bench-memory      the demo against 1 MB replies over h2c and HTTP/1.1, then everything at once for 10 minutes
 # Each target installs the Debian packages it needs first (make deps).
+
+# make sbcl-current  builds SBCL 2.6.7 from ../shared/vendor once, outside the checkout, and prints its path;
+#                    SBCL=that-path make test (or run, bench) then runs with it instead of Debian's 2.2.9
 
 PORT ?= 4242
 # The demo reads these from its environment.
 export TLS_PORT TLS_CERT TLS_KEY TLS_SNI
 HUNCHENTOOT ?=
 REV ?= HEAD~1
-SBCL = sbcl --noinform --non-interactive --disable-debugger
+# SBCL=path runs everything with another SBCL: its folder goes first on
+# PATH, where each process the tests and benchmarks start finds "sbcl".
+SBCL ?= sbcl
+SBCL_RUN = $(SBCL) --noinform --non-interactive --disable-debugger
+ifneq ($(findstring /,$(SBCL)),)
+export PATH := $(abspath $(dir $(SBCL))):$(PATH)
+endif
+SBCL_CURRENT_PREFIX ?= $(HOME)/.cache/hunchentoot-recycling-taskmaster/sbcl-2.6.7
 LIBRARY_PACKAGES = sbcl cl-hunchentoot cl-usocket cl-bordeaux-threads cl-flexi-streams \
                    cl-chunga cl-ppcre cl-plus-ssl cl-cffi cl-postmodern cl-ironclad cl-base64 \
                    zlib1g libzstd1 libbrotli1 libnghttp2-14
@@ -51,7 +62,7 @@ BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox pr
                  libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \
                  cl-trivial-gray-streams cl-alexandria cl-global-vars cl-trivial-garbage
 
-.PHONY: deps test-deps bench-deps run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-applications bench-https bench-websockets bench-threaded-floor bench-scheduling bench-waits bench-events bench-per-core bench-same-moment bench-compression bench-http2
+.PHONY: deps test-deps bench-deps sbcl-current run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-applications bench-https bench-websockets bench-threaded-floor bench-scheduling bench-waits bench-events bench-per-core bench-same-moment bench-compression bench-http2 bench-memory
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -62,9 +73,13 @@ test-deps: deps
 bench-deps: deps
 	@tools/install-deps.sh $(BENCH_PACKAGES)
 
+sbcl-current:
+	@tools/install-deps.sh gcc make libc6-dev
+	@tools/build-sbcl.sh ../shared/vendor/sbcl-2.6.7 $(SBCL_CURRENT_PREFIX)
+
 run: deps
 	@tools/install-deps.sh openssl
-	@$(SBCL) --load tools/setup.lisp \
+	@$(SBCL_RUN) --load tools/setup.lisp \
 	  --eval '(load-systems-quietly "hunchentoot-recycling-taskmaster/demo")' \
 	  --eval '(hunchentoot-recycling-taskmaster-demo:main :port $(PORT))'
 
@@ -73,7 +88,7 @@ run: deps
 # and killed 30 s later if it does not end on TERM.
 test: test-deps
 	ulimit -n 8192 2>/dev/null || ulimit -n $$(ulimit -Hn); \
-	HUNCHENTOOT="$(HUNCHENTOOT)" timeout -k 30 1200 $(SBCL) --load test/run.lisp
+	HUNCHENTOOT="$(HUNCHENTOOT)" timeout -k 30 1200 $(SBCL_RUN) --load test/run.lisp
 
 bench: bench-deps
 	bench/run
@@ -140,3 +155,6 @@ bench-compression: bench-deps
 
 bench-http2: bench-deps
 	bench/run http2
+
+bench-memory: bench-deps
+	bench/run memory

@@ -254,7 +254,8 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "per-core")
                (:file "same-moment")
                (:file "compression")
-               (:file "http2")))
+               (:file "http2")
+               (:file "memory")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"
   :author "The hunchentoot-recycling-taskmaster authors"

@@ -20,11 +20,27 @@
   (sleep (/ (max 0 (min ms 10000)) 1000))
   (format nil "Slept ~D ms." ms))
 
-(hunchentoot:define-easy-handler (stats :uri "/stats") ()
+(defvar *heap-peak-bytes* 0
+  "The most the heap has held, collectable or not, as SAMPLE-HEAP-PEAK has
+seen it since the start or the last /stats?reset-peak=1.")
+
+(defun sample-heap-peak ()
+  "Keep *HEAP-PEAK-BYTES*, looking at the heap every 20 ms, for ever."
+  (loop (setf *heap-peak-bytes* (max *heap-peak-bytes* (sb-kernel:dynamic-usage)))
+        (sleep 0.02)))
+
+;;; /stats: the server's statistics and its heap; ?gc=1 collects every
+;;; generation first (the heap then holds what is live), ?reset-peak=1
+;;; starts the heap's peak again.
+(hunchentoot:define-easy-handler (stats :uri "/stats") (gc reset-peak)
   (setf (hunchentoot:content-type*) "text/plain")
-  (format nil "~{~(~A~): ~A~%~}heap-bytes: ~D~%dynamic-space-bytes: ~D~%"
+  (when (equal gc "1")
+    (sb-ext:gc :full t))
+  (when (equal reset-peak "1")
+    (setf *heap-peak-bytes* (sb-kernel:dynamic-usage)))
+  (format nil "~{~(~A~): ~A~%~}heap-bytes: ~D~%heap-peak-bytes: ~D~%dynamic-space-bytes: ~D~%"
           (hunchentoot-recycling-taskmaster:taskmaster-statistics hunchentoot:*acceptor*)
-          (sb-kernel:dynamic-usage) (sb-ext:dynamic-space-size)))
+          (sb-kernel:dynamic-usage) *heap-peak-bytes* (sb-ext:dynamic-space-size)))
 
 (hunchentoot:define-easy-handler (metrics :uri "/metrics") ()
   (setf (hunchentoot:content-type*) "text/plain; version=0.0.4")
@@ -205,6 +221,7 @@ demos share the port.  TLS_PORT serves it over TLS too (above)."
     (when store
       (setf hunchentoot-recycling-taskmaster:*channel-bus*
             (hunchentoot-recycling-taskmaster:make-postgresql-channel-bus)))
+    (bt:make-thread #'sample-heap-peak :name "heap peak sampler")
     (hunchentoot:start acceptor)
     (when tls-acceptor
       (hunchentoot:start tls-acceptor)

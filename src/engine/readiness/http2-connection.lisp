@@ -152,12 +152,13 @@ false, nothing added, when MAX-STREAMS run or wait already."
 (defun take-startable-streams (connection)
   "The streams of CONNECTION's WAITING that may begin now, oldest first,
 taken from it and counted running and queued: while fewer than MAX-RUNNING
-of its handlers run, and its replies, with one of REPLY-SIZE for each
-handler running and the next, hold less than BUDGET-SHARE; one at least
-when none runs."
+of its handlers run, and its replies hold less than BUDGET-SHARE, and will
+with one of REPLY-SIZE for each handler running and the next (but for the
+first, when none runs)."
   (bt:with-lock-held ((http2-session-lock (http2-connection-session connection)))
     (loop while (and (http2-connection-waiting connection)
                      (< (http2-connection-running connection) (http2-connection-max-running connection))
+                     (< (http2-connection-reply-octets connection) (http2-connection-budget-share connection))
                      (or (zerop (http2-connection-running connection))
                          (< (+ (http2-connection-reply-octets connection)
                                (* (1+ (http2-connection-running connection)) (http2-connection-reply-size connection)))

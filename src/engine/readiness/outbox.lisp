@@ -135,11 +135,13 @@ octets sent."
   "When OUTBOX's connection, about to park with octets waiting, is to be
 looked at without its client: the write timeout from when the client last
 took some of them.  Sends to a client that reads nothing do not put its
-end off."
-  (let ((connection (outbox-connection outbox)))
+end off; a deadline of another wait (an HTTP/2 connection's none while
+its handlers run) is no write deadline to keep."
+  (let* ((connection (outbox-connection outbox))
+         (write-deadline (+ now (readiness-set-write-timeout (outbox-set outbox)))))
     (if (and (eq (connection-awaiting connection) :output)
-             (< now (connection-deadline connection))
+             (< now (connection-deadline connection) write-deadline)
              (not (client-took-octets-p connection)))
         (connection-deadline connection)
         (progn (note-unacknowledged-octets connection)
-               (+ now (readiness-set-write-timeout (outbox-set outbox)))))))
+               write-deadline))))
