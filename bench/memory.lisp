@@ -136,10 +136,13 @@ printed every 10 s.  A plist of :SAMPLES (seconds, held, heap), :CLIENTS
 (soak-clients.py's line), :LIVE-BEFORE and :LIVE-AFTER (the heap after a
 full collection), :HELD-AFTER and :ALIVE."
   (let* ((live-before (getf (demo-stats port :gc t) :heap-bytes))
-         (processes (mapcar (lambda (command)
-                              (uiop:launch-program (cons "timeout" (cons (princ-to-string (+ seconds 30)) command))
-                                                   :output :stream :error-output nil))
-                            (soak-commands port seconds)))
+         (clients-output (format nil "~A/soak-clients.json"
+                                 (string-right-trim '(#\Newline) (uiop:run-program '("mktemp" "-d") :output :string))))
+         (processes (loop for command in (soak-commands port seconds)
+                          for index from 0
+                          collect (uiop:launch-program (cons "timeout" (cons (princ-to-string (+ seconds 60)) command))
+                                                       :output (if (= index 2) clients-output nil)
+                                                       :error-output (if (= index 2) :output nil))))
          (start (get-internal-real-time))
          (samples (loop for elapsed = (floor (- (get-internal-real-time) start) internal-time-units-per-second)
                         while (< elapsed seconds)
@@ -150,9 +153,8 @@ full collection), :HELD-AFTER and :ALIVE."
                                   (finish-output)
                                   (list elapsed (getf stats :memory-held-bytes) (getf stats :heap-bytes)))
                         do (sleep 10)))
-         (clients (let ((stream (uiop:process-info-output (third processes))))
-                    (prog1 (read-line stream nil "")
-                      (mapc #'uiop:wait-process processes))))
+         (clients (progn (mapc #'uiop:wait-process processes)
+                         (string-trim '(#\Newline) (uiop:read-file-string clients-output))))
          (held-after (held-back-to-zero-p port))
          (stats (demo-stats port :gc t)))
     (list :samples samples :clients clients :live-before live-before

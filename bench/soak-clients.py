@@ -22,14 +22,14 @@ import urllib.request
 
 
 def open_stream(port):
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     sock.sendall(b"GET /events?channel=soak HTTP/1.1\r\nHost: x\r\n\r\n")
     sock.setblocking(False)
     return sock
 
 
 def open_websocket(port):
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     key = base64.b64encode(os.urandom(16)).decode()
     sock.sendall(("GET /ws/echo HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                   "Sec-WebSocket-Key: %s\r\nSec-WebSocket-Version: 13\r\n\r\n" % key).encode())
@@ -55,12 +55,19 @@ def main(port, seconds, streams, sockets):
     counts = {"events": 0, "published": 0, "echoes": 0, "closed_early": 0}
     message = b"m" * 10000
     frame = text_frame(message)
+    counts["not_opened"] = 0
     for _ in range(streams):
-        selector.register(open_stream(port), selectors.EVENT_READ, {"kind": "stream", "last": b""})
+        try:
+            selector.register(open_stream(port), selectors.EVENT_READ, {"kind": "stream", "last": b""})
+        except OSError:
+            counts["not_opened"] += 1
     for _ in range(sockets):
-        sock = open_websocket(port)
-        sock.sendall(frame)
-        selector.register(sock, selectors.EVENT_READ, {"kind": "websocket", "read": 0})
+        try:
+            sock = open_websocket(port)
+            sock.sendall(frame)
+            selector.register(sock, selectors.EVENT_READ, {"kind": "websocket", "read": 0})
+        except OSError:
+            counts["not_opened"] += 1
     end = time.monotonic() + seconds
     next_publish = time.monotonic()
     while time.monotonic() < end:

@@ -82,6 +82,7 @@ system refuses a thread, log it and pause, so as not to spin on it."
              (:make-thread (make-worker-thread taskmaster))
              (:weigh-growth (weigh-growth taskmaster))
              (:maintain (engine-maintain engine)
+                        (guard-heap)
                         (setf maintenance-deadline (deadline-in interval)))))
       ;; The gauge is this thread's; the next START's maker makes another.
       (let ((gauge (shiftf (pool-idle-gauge taskmaster) nil)))

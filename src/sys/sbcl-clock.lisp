@@ -3,8 +3,7 @@
 ;;;; tick: on this machine in steps of 4 ms, so that a request of 1 ms reads
 ;;;; 0 or 4000 microseconds.  Deadlines of seconds are fine with it;
 ;;;; durations of requests are not.  And the time of day with the
-;;;; microseconds of its second, to tell when a second ends; and the time
-;;;; the garbage collector has taken, ever.
+;;;; microseconds of its second, to tell when a second ends.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -18,8 +17,3 @@
   "The universal time now, and the microseconds of its second gone."
   (multiple-value-bind (seconds microseconds) (sb-ext:get-time-of-day)
     (values (+ seconds +unix-epoch-universal-time+) microseconds)))
-
-(defun garbage-collection-time ()
-  "The internal time units SBCL's garbage collector has run, every thread
-stopped, since the process began."
-  sb-ext:*gc-run-time*)
