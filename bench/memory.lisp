@@ -202,7 +202,11 @@ began; each failure printed."
                         (list (check (and (getf soak :alive) (getf soak :held-after)
                                           (getf soak :live-before) (getf soak :live-after)
                                           (<= (getf soak :live-after) (* 11/10 (getf soak :live-before))))
-                                     "the soak")))))))
+                                     "the soak")
+                              (check (and (cl-ppcre:scan "\"events\": [1-9]" (getf soak :clients))
+                                          (cl-ppcre:scan "\"echoes\": [1-9]" (getf soak :clients)))
+                                     (format nil "the soak's event streams and websockets were served: ~A"
+                                             (getf soak :clients))))))))))
 
 (defun run-memory (&key (seconds 60) (soak-seconds 600) core)
   "Run *MEMORY-LOADS* for SECONDS each, then the soak for SOAK-SECONDS (none

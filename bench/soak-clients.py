@@ -51,24 +51,28 @@ def text_frame(payload):
 
 
 def main(port, seconds, streams, sockets):
+    end = time.monotonic() + seconds
     selector = selectors.DefaultSelector()
     counts = {"events": 0, "published": 0, "echoes": 0, "closed_early": 0}
     message = b"m" * 10000
     frame = text_frame(message)
     counts["not_opened"] = 0
     for _ in range(streams):
+        if time.monotonic() >= end:
+            break
         try:
             selector.register(open_stream(port), selectors.EVENT_READ, {"kind": "stream", "last": b""})
         except OSError:
             counts["not_opened"] += 1
     for _ in range(sockets):
+        if time.monotonic() >= end:
+            break
         try:
             sock = open_websocket(port)
             sock.sendall(frame)
             selector.register(sock, selectors.EVENT_READ, {"kind": "websocket", "read": 0})
         except OSError:
             counts["not_opened"] += 1
-    end = time.monotonic() + seconds
     next_publish = time.monotonic()
     while time.monotonic() < end:
         if time.monotonic() >= next_publish:

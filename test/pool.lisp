@@ -580,14 +580,14 @@ THREAD-COUNT workers."
       (is (hunchentoot-recycling-taskmaster::join-waiting taskmaster worker) "one short of it")
       (is (= (* factor 3) (hunchentoot-recycling-taskmaster::pool-gauges-waiting gauges))))))
 
-(test heap-guard.collects-a-heap-twice-its-live-size-past-half-its-size
+(test heap-guard.collects-a-heap-twice-its-live-size-past-two-fifths-of-its-size
   (let ((guard (hunchentoot-recycling-taskmaster::make-heap-guard))
         (size (hunchentoot-recycling-taskmaster::heap-octets))
         (now (get-internal-real-time)))
     (is-true (hunchentoot-recycling-taskmaster::heap-collection-due-p guard (* 6/10 size) now)
-             "past half the heap, never collected")
-    (is-false (hunchentoot-recycling-taskmaster::heap-collection-due-p guard (* 4/10 size) now)
-              "under half the heap")
+             "past two fifths of the heap, never collected")
+    (is-false (hunchentoot-recycling-taskmaster::heap-collection-due-p guard (* 3/10 size) now)
+              "under two fifths of the heap")
     (setf (hunchentoot-recycling-taskmaster::heap-guard-live-octets guard) (floor (* 4/10 size))
           (hunchentoot-recycling-taskmaster::heap-guard-collected-at guard) (- now (* 2 internal-time-units-per-second)))
     (is-false (hunchentoot-recycling-taskmaster::heap-collection-due-p guard (* 6/10 size) now)

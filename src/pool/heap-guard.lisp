@@ -11,12 +11,12 @@
 ;;;; kept mostly live by the application is never collected so again and
 ;;;; again.  One guard for the process, whatever its acceptors.
 ;;;;
-;;;; Locking: *HEAP-GUARD*'s fields are written by the thread that wins it
+;;;; Locking: **HEAP-GUARD**'s fields are written by the thread that wins it
 ;;;; by compare-and-swap, for the collection it makes.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
-(defconstant +heap-share-to-collect+ 1/2
+(defconstant +heap-share-to-collect+ 2/5
   "The share of the heap's size it must hold for the guard to collect it.")
 
 (defconstant +heap-collection-interval-seconds+ 1
