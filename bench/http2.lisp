@@ -121,6 +121,49 @@ knowledge, or h2 over TLS when TLS): nginx's h2c port speaks nothing else."
             do (format out "~%~A as a fraction of nginx: ~A (target ~,2F: ~A)~%" name
                        (if ratio (ratio-text ratio) "-") target (if (and ratio (>= ratio target)) "ok" "below"))))))
 
+(defparameter *http2-integrity-loads*
+  '(("100 POST streams of 1 MiB on one connection, each body's SHA-1 checked" "uploads" 100 1048576
+     "right" 100)
+    ("100 streams of 1 MiB, windows at their largest, read at full speed, 20 connections in turn" "downloads"
+     100 1024 20 2147483647 "complete" 2000)
+    ("60 streams of 1 MiB, windows of 64 KiB, 5 connections in turn" "downloads" 60 1024 5 65535
+     "complete" 300))
+  "Loads that check every octet (test/http2-client.py): a name, the
+client's command and arguments, the count in its JSON line that is to be
+the number after it.")
+
+(defun http2-client-line (command port &rest arguments)
+  "The JSON line test/http2-client.py prints for COMMAND against PORT."
+  (uiop:run-program (list* "timeout" "600" "/usr/bin/python3"
+                           (namestring (asdf:system-relative-pathname "hunchentoot-recycling-taskmaster"
+                                                                      "test/http2-client.py"))
+                           command (princ-to-string port) (mapcar #'princ-to-string arguments))
+                    :output :string :error-output :output :ignore-error-status t))
+
+(defun run-http2-integrity (core)
+  "Run *HTTP2-INTEGRITY-LOADS* against ours over h2c: a report section and
+whether every count was as it is to be."
+  (let* ((port (free-port))
+         (process (launch-server '(:lisp :parallel :serve-options (:http2 t)) port 0 core "/dev/null"))
+         (results (unwind-protect
+                       (if (wait-until-http2-serving port nil)
+                           (loop for (name command . rest) in *http2-integrity-loads*
+                                 collect (let* ((arguments (butlast rest 2))
+                                                (key (first (last rest 2)))
+                                                (expected (first (last rest)))
+                                                (line (string-trim '(#\Newline)
+                                                                   (apply #'http2-client-line command port arguments)))
+                                                (match (nth-value 1 (cl-ppcre:scan-to-strings
+                                                                     (format nil "\"~A\": (\\d+)" key) line))))
+                                           (list name line (and match (= expected (parse-integer (aref match 0)))))))
+                           (list (list "the server" "did not answer within 30 s" nil)))
+                    (stop-server process))))
+    (values (with-output-to-string (out)
+              (format out "~%Every octet, ours over h2c (test/http2-client.py):~%~%| load | result | all right |~%|---|---|---|~%")
+              (loop for (name line passed) in results
+                    do (format out "| ~A | `~A` | ~:[no~;yes~] |~%" name line passed)))
+            (every #'third results))))
+
 (defun run-http2 (&key core (rounds 3) (requests 200000) directory)
   "Measure *HTTP2-CELLS*, ROUNDS rounds of REQUESTS each in turn, and write
 the report (WRITE-SUITE-REPORT, http2.md).  True when every cell of ours
@@ -137,6 +180,10 @@ answered every request."
                     (dolist (folder (list work (namestring certificates)))
                       (uiop:delete-directory-tree (uiop:ensure-directory-pathname folder) :validate t
                                                                                           :if-does-not-exist :ignore)))))
-    (write-suite-report (http2-report results rounds requests) "http2" directory)
-    (loop for (cell . figures) in results
-          always (or (not (getf cell :lisp)) (zerop (http2-cell-errors figures))))))
+    (multiple-value-bind (integrity-report integrity-passed)
+        (run-http2-integrity core)
+      (write-suite-report (concatenate 'string (http2-report results rounds requests) integrity-report)
+                          "http2" directory)
+      (and integrity-passed
+           (loop for (cell . figures) in results
+                 always (or (not (getf cell :lisp)) (zerop (http2-cell-errors figures))))))))

@@ -206,7 +206,7 @@ began; each failure printed."
                               (check (and (cl-ppcre:scan "\"events\": [1-9]" (getf soak :clients))
                                           (cl-ppcre:scan "\"echoes\": [1-9]" (getf soak :clients)))
                                      (format nil "the soak's event streams and websockets were served: ~A"
-                                             (getf soak :clients))))))))))
+                                             (getf soak :clients)))))))))
 
 (defun run-memory (&key (seconds 60) (soak-seconds 600) core)
   "Run *MEMORY-LOADS* for SECONDS each, then the soak for SOAK-SECONDS (none

@@ -4,7 +4,9 @@
 ;;;; GET /bench-stats with counters the driver reads around a measurement,
 ;;;; GET /gc after a full garbage collection;
 ;;;; Hunchentoot's and ours answer GET /megabytes?n=N with N MiB of octets,
-;;;; POST /body-length with the length of the body they read and GET
+;;;; POST /body-length with the length of the body they read, GET
+;;;; /test/bytes?kb=N with N KiB of a known pattern, POST /test/digest with
+;;;; the SHA-1 of the body they read, and GET
 ;;;; /bench-code-map with where each compiled function lies (CODE-MAP), and
 ;;;; ours GET /pool-stats with TASKMASTER-STATISTICS.
 
@@ -113,6 +115,21 @@ by every reply, as a handler returning a cached page shares it.")
 (ht:define-easy-handler (body-length :uri "/body-length") ()
   (setf (ht:content-type*) "text/plain")
   (princ-to-string (length (ht:raw-post-data :force-binary t))))
+
+;;; Every octet in, every octet out, for bench/http2.lisp's checks: the
+;;; names are those test/http2-client.py asks for.
+
+(ht:define-easy-handler (bytes :uri "/test/bytes") ((kb :parameter-type 'integer :init-form 1))
+  (setf (ht:content-type*) "application/octet-stream")
+  (let ((octets (make-array (* 1024 (max 1 (min 65536 kb))) :element-type '(unsigned-byte 8))))
+    (dotimes (i (length octets) octets)
+      (setf (aref octets i) (mod i 251)))))
+
+(ht:define-easy-handler (digest :uri "/test/digest") ()
+  (setf (ht:content-type*) "text/plain")
+  (ironclad:byte-array-to-hex-string
+   (ironclad:digest-sequence :sha1 (or (ht:raw-post-data :force-binary t)
+                                       (make-array 0 :element-type '(unsigned-byte 8))))))
 
 ;;; Replies that wait (ours only): the demo's, for bench/events.lisp.
 

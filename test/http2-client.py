@@ -19,9 +19,11 @@ Debian's python3-h2) where a well-behaved client library would refuse to:
                                 /test/digest, as fast as flow control lets
                                 them go: how many replies name their body's
                                 SHA-1
-  downloads PORT COUNT KB TRIES COUNT streams of /test/bytes?kb=KB at once
-                                with the largest windows, read as fast as
-                                they come, TRIES times, a connection each
+  downloads PORT COUNT KB TRIES [WINDOW]
+                                COUNT streams of /test/bytes?kb=KB at once
+                                with windows of WINDOW (the largest), read as
+                                fast as they come, TRIES times, a connection
+                                each
   hpack-bomb PORT COUNT         a 4,000-octet header put in the dynamic
                                 table, then COUNT requests naming it 1,000
                                 times each
@@ -379,11 +381,11 @@ def expected_bytes(kb):
     return bytes(i % 251 for i in range(kb * 1024))
 
 
-def downloads(port, count, kb, tries):
+def downloads(port, count, kb, tries, window=2**31 - 1):
     expected = hashlib.sha1(expected_bytes(kb)).hexdigest()
     complete, short, reset, goaways, silent = 0, 0, 0, 0, 0
     for _ in range(tries):
-        client = Client(port, window=2**31 - 1)
+        client = Client(port, window=window)
         streams = [client.request("/test/bytes?kb=%d" % kb) for _ in range(count)]
         client.flush()
         while not client.done():
@@ -496,7 +498,8 @@ def main(arguments):
     elif command == "uploads":
         result = uploads(port, int(arguments[2]), int(arguments[3]))
     elif command == "downloads":
-        result = downloads(port, int(arguments[2]), int(arguments[3]), int(arguments[4]))
+        result = downloads(port, int(arguments[2]), int(arguments[3]), int(arguments[4]),
+                           *[int(window) for window in arguments[5:6]])
     elif command == "hpack-bomb":
         result = hpack_bomb(port, int(arguments[2]))
     elif command == "empty-frames":

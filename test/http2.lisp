@@ -500,3 +500,18 @@ ones; NIL, and why, when it cannot be built."
           (is (eql 200 (first (funcall join))))))
       (is (eql 1 (cdr (assoc "refused" (stats server :http2-goaways-by-cause) :test #'string=)))
           "counted: ~S" (stats server :http2-goaways-by-cause)))))
+
+(test http2.refused-streams-cost-a-line-at-most
+  ;; 10,000 streams the engine refuses: half whose handler defers its reply
+  ;; (REPLY-NOT-DEFERRABLE, one line), half with a header list past the
+  ;; limit (431, none).
+  (with-scratch-folder (directory)
+    (let ((log (concatenate 'string directory "messages.log")))
+      (with-server (server (http2-server :message-log-destination log))
+        (h2load (url server "/test/deferred/timer?ms=1") "-n" "5000" "-c" "4" "-m" "10")
+        (h2load (url server "/test/yo") "-n" "5000" "-c" "4" "-m" "10"
+                "-H" (format nil "x-big: ~A" (make-string 20000 :initial-element #\a)))
+        (let ((octets (with-open-file (in log :if-does-not-exist nil) (if in (file-length in) 0))))
+          (is (<= octets (* 200 10000)) "the message log grew ~D octets for 10,000 streams" octets)
+          (is (= 5000 (log-lines-matching log "cannot be deferred")) "each deferral refused is logged, in one line")
+          (is (zerop (log-lines-matching log "Backtrace")) "without a backtrace"))))))

@@ -119,15 +119,10 @@ is logged."
                (log-safely (serving-acceptor serving) :error "Error in a worker task: ~A" condition))))))
 
 (defun run-queued-tasks (set serving)
-  "Run the tasks waiting in SET's queue when called, oldest first, not those
-queued meanwhile: a queue that refills itself as fast as it is run (an
-HTTP/2 connection's streams, each begun as another ends) would otherwise
-keep the worker from the set, and connections that turn ready meanwhile
-waiting on it, past their queue timeout.  Before each, the objects of the
-connection queued after it are asked into the caches, a turn ahead of
-their use (PREFETCH-REPORTED-CONNECTION-OBJECTS)."
-  (loop repeat (queued-task-count set)
-        for task = (and (readiness-set-tasks set) (pop-worker-task set))
+  "Run the tasks waiting in SET's queue, oldest first, until none waits.
+Before each, the objects of the connection queued after it are asked into
+the caches, a turn ahead of their use (PREFETCH-REPORTED-CONNECTION-OBJECTS)."
+  (loop for task = (and (readiness-set-tasks set) (pop-worker-task set))
         while task
         do (let ((next (first (readiness-set-tasks set))))
              (when (integerp next)

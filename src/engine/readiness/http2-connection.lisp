@@ -22,8 +22,10 @@
 ;;;; had, is below its BUDGET-SHARE (TAKE-STARTABLE-STREAMS, asked whenever
 ;;;; one of them may have changed); so that one client can take neither the
 ;;;; pool nor the memory budget, nor make replies faster than it reads
-;;;; them.  RUNNING, QUEUED, WAITING and REPLY-SIZE are kept under the
-;;;; session's lock.
+;;;; them.  WAITING is kept under the session's lock, and RUNNING and
+;;;; QUEUED grow under it too; they shrink, atomic words, without it, as a
+;;;; handler begins and ends, when REPLY-SIZE, an estimate, is written
+;;;; whole by whichever thread.
 ;;;;
 ;;;; These functions never close the connection: they say when the caller
 ;;;; is to (CLOSE-CONNECTION, closing.lisp, ends it).
@@ -54,7 +56,7 @@ small the budget.")
   ;; to be: at most MAX-STREAMS together, a stream past them is refused,
   ;; whatever the client reset meanwhile.  WAITING is oldest first, with
   ;; its last cons.
-  (running 0 :type fixnum)
+  (running 0 :type word)
   (waiting '())
   (waiting-tail '())
   (max-streams 0 :type fixnum :read-only t)
@@ -68,7 +70,7 @@ small the budget.")
   (reply-size 0 :type fixnum)
   ;; Of the running, the ones queued and not begun; and true while a flush
   ;; of what the others answered is deferred (FINISH-HTTP2-HANDLER).
-  (queued 0 :type fixnum)
+  (queued 0 :type word)
   (flush-pending-p nil)
   ;; Internal time units: idle with no stream open, then with streams
   ;; open whose requests do not arrive.
@@ -155,21 +157,22 @@ taken from it and counted running and queued: while fewer than MAX-RUNNING
 of its handlers run, and its replies hold less than BUDGET-SHARE, and will
 with one of REPLY-SIZE for each handler running and the next (but for the
 first, when none runs)."
-  (bt:with-lock-held ((http2-session-lock (http2-connection-session connection)))
-    (loop while (and (http2-connection-waiting connection)
-                     (< (http2-connection-running connection) (http2-connection-max-running connection))
-                     (< (http2-connection-reply-octets connection) (http2-connection-budget-share connection))
-                     (or (zerop (http2-connection-running connection))
-                         (< (+ (http2-connection-reply-octets connection)
-                               (* (1+ (http2-connection-running connection)) (http2-connection-reply-size connection)))
-                            (http2-connection-budget-share connection))))
-          do (incf (http2-connection-running connection))
-             (incf (http2-connection-queued connection))
-          collect (pop (http2-connection-waiting connection)))))
+  (when (http2-connection-waiting connection)
+    (bt:with-lock-held ((http2-session-lock (http2-connection-session connection)))
+      (loop while (and (http2-connection-waiting connection)
+                       (< (http2-connection-running connection) (http2-connection-max-running connection))
+                       (< (http2-connection-reply-octets connection) (http2-connection-budget-share connection))
+                       (or (zerop (http2-connection-running connection))
+                           (< (+ (http2-connection-reply-octets connection)
+                                 (* (1+ (http2-connection-running connection)) (http2-connection-reply-size connection)))
+                              (http2-connection-budget-share connection))))
+            do (atomic-increment (http2-connection-running connection))
+               (atomic-increment (http2-connection-queued connection))
+            collect (pop (http2-connection-waiting connection))))))
 
 (defun note-http2-reply-size (connection octets)
   "A reply of OCTETS was made on CONNECTION: its REPLY-SIZE moves a
-quarter of the way to it.  With the session's lock held."
+quarter of the way to it."
   (incf (http2-connection-reply-size connection)
         (floor (- octets (http2-connection-reply-size connection)) 4)))
 
@@ -272,18 +275,9 @@ session freed, its queue dropped, counted closed."
 
 ;;; Replies the engine makes itself.
 
-(defun submit-whole-http2-reply (session stream status headers body)
-  "Submit the whole reply to STREAM of SESSION, answered by the engine:
-STATUS, HEADERS (an alist of lower-case names and values) and BODY (octets
-or NIL)."
-  (submit-http2-reply-head session stream status headers (and body t))
-  (when body
-    (queue-http2-reply-octets session stream body)
-    (end-http2-reply-body session stream)))
-
 (defun refuse-http2-stream-with (set session stream status &optional explanation)
   "Answer STREAM the engine's error reply for STATUS, without a handler."
-  (multiple-value-call #'submit-whole-http2-reply session stream
+  (multiple-value-call #'submit-http2-whole-reply session stream
     (http1-reply-parts (head-error-reply status (readiness-set-server-name set)
                                          (readiness-set-retry-after-seconds set) explanation))))
 

@@ -7,13 +7,15 @@
 ;;;; as it is written (QUEUE-HTTP2-REPLY-OCTETS), and leaves as DATA frames
 ;;;; as flow control lets it: at each FORCE-OUTPUT for a handler streaming
 ;;;; through SEND-HEADERS, with the other streams' replies for a body given
-;;;; whole.  A body given whole by the engine (HAND-OVER-REPLY-BODY) is
-;;;; queued as it is; one written piece by piece is copied, and its writer
-;;;; waits while more than +HTTP2-REPLY-WRITE-OCTETS+ of it wait for the
-;;;; client, as a writer on HTTP/1.1 waits for its socket.
+;;;; whole.  A body the engine gives whole (WRITE-REPLY-BODY) is queued as
+;;;; it is; one written piece by piece is copied, and its writer waits while
+;;;; more than +HTTP2-REPLY-WRITE-OCTETS+ of it wait for the client, as a
+;;;; writer on HTTP/1.1 waits for its socket.
 ;;;;
-;;;; A reply stream is written by the one worker running its stream's
-;;;; handler.
+;;;; The gray stream carries an HTTP2-REPLY, a structure: its state is read
+;;;; and written at every octet of the head, where a class's accessors, each
+;;;; a generic call, cost a stream a third of its time.  A reply stream is
+;;;; written by the one worker running its stream's handler.
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -25,40 +27,35 @@ client before its writer waits for room.")
   "The buffer in which a reply's small writes gather before they are given
 to the library as one piece.")
 
+(defstruct (http2-reply (:constructor make-http2-reply (connection stream)))
+  "What the reply of an HTTP/2 stream has been written so far."
+  ;; The HTTP2-CONNECTION and the HTTP2-STREAM answered.
+  (connection nil :read-only t)
+  (stream nil :read-only t)
+  ;; The octets of the head written so far, and how many, until it is
+  ;; whole; then HEAD is NIL.
+  (head (make-array 512 :element-type '(unsigned-byte 8)) :type (or null octets))
+  (head-end 0 :type fixnum)
+  ;; Its status and header fields (an alist of lower-case names and
+  ;; values) once the head is whole; the status is NIL before.
+  (status nil)
+  (headers '())
+  ;; True once its HEADERS are submitted to the library.
+  (submitted-p nil)
+  ;; The body the engine gave whole, kept to be submitted with the head
+  ;; in one hold of the session's lock, or NIL.
+  (whole-body nil :type (or null octets))
+  ;; Where small writes of the body gather, made at the first, and how
+  ;; many octets it holds.
+  (buffer nil :type (or null octets))
+  (buffer-end 0 :type fixnum)
+  ;; True once the reply is ended (END-HTTP2-REPLY).
+  (ended-p nil))
+
 (defclass http2-reply-stream (trivial-gray-streams:fundamental-binary-output-stream)
-  ((connection
-    :initarg :connection :reader reply-stream-connection
-    :documentation "The HTTP2-CONNECTION the stream belongs to.")
-   (stream
-    :initarg :stream :reader reply-stream-stream
-    :documentation "The HTTP2-STREAM answered.")
-   (head
-    :initform (make-array 512 :element-type '(unsigned-byte 8)) :accessor reply-stream-head
-    :documentation "The octets of the head written so far, until it is
-whole; then NIL.")
-   (head-end
-    :initform 0 :accessor reply-stream-head-end :type fixnum
-    :documentation "How many octets of HEAD are written.")
-   (status
-    :initform nil :accessor reply-stream-status
-    :documentation "The reply's status once its head is whole, else NIL.")
-   (headers
-    :initform '() :accessor reply-stream-headers
-    :documentation "The reply's header fields once its head is whole: an
-alist of lower-case names and values.")
-   (submitted-p
-    :initform nil :accessor reply-stream-submitted-p
-    :documentation "True once the HEADERS are submitted to the library.")
-   (buffer
-    :initform (make-array +http2-reply-buffer-octets+ :element-type '(unsigned-byte 8))
-    :reader reply-stream-buffer
-    :documentation "Where small writes of the body gather.")
-   (buffer-end
-    :initform 0 :accessor reply-stream-buffer-end :type fixnum
-    :documentation "How many octets of BUFFER are written.")
-   (ended-p
-    :initform nil :accessor reply-stream-ended-p
-    :documentation "True once the reply is ended (END-HTTP2-REPLY)."))
+  ((reply
+    :initarg :reply :reader reply-stream-reply :type http2-reply
+    :documentation "The HTTP2-REPLY written through this stream."))
   (:documentation "The connection stream of an HTTP/2 stream's request: see
 the top of http2-reply.lisp."))
 
@@ -72,48 +69,59 @@ connection is parked (SERVE-OUTBOX-OUTPUT), else by its holder."
   (serve-outbox-output connection))
 
 (defun make-http2-reply-stream (connection stream)
-  (make-instance 'http2-reply-stream :connection connection :stream stream))
+  (make-instance 'http2-reply-stream :reply (make-http2-reply connection stream)))
 
 (defmethod stream-element-type ((stream http2-reply-stream))
   '(unsigned-byte 8))
 
-(defun reply-stream-session (reply)
-  (http2-connection-session (reply-stream-connection reply)))
+(defun http2-reply-session (reply)
+  (http2-connection-session (http2-reply-connection reply)))
 
 (defun read-reply-head (reply head-end)
   "Make the head in REPLY's HEAD, whole, its blank line's CR at HEAD-END,
 its status and headers; a status line that names none is 500."
-  (let* ((octets (reply-stream-head reply))
+  (let* ((octets (http2-reply-head reply))
          (status-end (position +cr+ octets :end (1+ head-end))))
-    (setf (reply-stream-status reply)
+    (setf (http2-reply-status reply)
           (or (and (>= status-end 12) (parse-integer (latin-1-text octets 9 12) :junk-allowed t))
               500)
-          (reply-stream-headers reply) (reply-header-fields octets (+ status-end 2) head-end)
-          (reply-stream-head reply) nil)))
+          (http2-reply-headers reply) (reply-header-fields octets (+ status-end 2) head-end)
+          (http2-reply-head reply) nil)))
 
-(defun take-head-octet (reply octet)
-  "Add OCTET to REPLY's head, which is then read if it is whole."
-  (let ((head (reply-stream-head reply))
-        (position (reply-stream-head-end reply)))
-    (when (= position (length head))
-      (setf head (setf (reply-stream-head reply)
-                       (replace (make-array (* 2 (length head)) :element-type '(unsigned-byte 8)) head))))
-    (setf (aref head position) octet
-          (reply-stream-head-end reply) (1+ position))
-    (when (and (= octet +lf+) (>= position 3) (= (aref head (- position 1)) +cr+)
-               (= (aref head (- position 2)) +lf+) (= (aref head (- position 3)) +cr+))
-      (read-reply-head reply (- position 3)))))
+(defun take-head-octets (reply sequence start end)
+  "Add the octets of SEQUENCE from START below END to REPLY's head, read
+once whole (READ-REPLY-HEAD): where the body's octets start among them,
+or END when none did."
+  (declare (type fixnum start end))
+  (let* ((old-end (http2-reply-head-end reply))
+         (new-end (+ old-end (- end start)))
+         (head (http2-reply-head reply)))
+    (declare (type fixnum old-end new-end))
+    (when (> new-end (length head))
+      (setf head (setf (http2-reply-head reply)
+                       (replace (make-array (max new-end (* 2 (length head))) :element-type '(unsigned-byte 8))
+                                head :end2 old-end))))
+    (replace head sequence :start1 old-end :start2 start :end2 end)
+    (setf (http2-reply-head-end reply) new-end)
+    (let ((blank (loop for index of-type fixnum from (max 0 (- old-end 3)) below (- new-end 3)
+                       when (and (= (aref head index) +cr+) (= (aref head (+ index 1)) +lf+)
+                                 (= (aref head (+ index 2)) +cr+) (= (aref head (+ index 3)) +lf+))
+                         return index)))
+      (if blank
+          (progn (read-reply-head reply blank)
+                 (+ start (- (+ blank 4) old-end)))
+          end))))
 
 (defun submit-reply-head (reply body-p)
   "Submit REPLY's HEADERS, with a body to come when BODY-P, unless they are."
-  (unless (reply-stream-status reply)
+  (unless (http2-reply-status reply)
     ;; Ended, or given a body, before any head: what was written was no
     ;; HTTP/1.1 reply.
-    (setf (reply-stream-status reply) 500 (reply-stream-head reply) nil))
-  (unless (reply-stream-submitted-p reply)
-    (setf (reply-stream-submitted-p reply) t)
-    (submit-http2-reply-head (reply-stream-session reply) (reply-stream-stream reply)
-                             (reply-stream-status reply) (reply-stream-headers reply) body-p)))
+    (setf (http2-reply-status reply) 500 (http2-reply-head reply) nil))
+  (unless (http2-reply-submitted-p reply)
+    (setf (http2-reply-submitted-p reply) t)
+    (submit-http2-reply-head (http2-reply-session reply) (http2-reply-stream reply)
+                             (http2-reply-status reply) (http2-reply-headers reply) body-p)))
 
 (define-condition http2-stream-gone (stream-error)
   ()
@@ -129,104 +137,115 @@ as writes to a socket its client closed."))
   "Give OCTETS, no one's to change from now on, to REPLY's body.  False
 when the stream has ended (its client reset it)."
   (submit-reply-head reply t)
-  (queue-http2-reply-octets (reply-stream-session reply) (reply-stream-stream reply) octets))
+  (queue-http2-reply-octets (http2-reply-session reply) (http2-reply-stream reply) octets))
+
+(defun submit-whole-reply (reply)
+  "Submit REPLY, its head not submitted, whole: its head and WHOLE-BODY,
+taken from the memory budget if it has room for it, else the engine's 503
+for want of memory."
+  (setf (http2-reply-submitted-p reply) t)
+  (when (eq :no-memory
+            (submit-http2-whole-reply (http2-reply-session reply) (http2-reply-stream reply)
+                                      (or (http2-reply-status reply) 500) (http2-reply-headers reply)
+                                      (shiftf (http2-reply-whole-body reply) nil) :reserve t))
+    (multiple-value-bind (status headers body)
+        (http1-reply-parts (head-error-reply 503 (readiness-set-server-name
+                                                  (http2-connection-set (http2-reply-connection reply)))
+                                             1 "This server is short of memory for the moment.  Please try again later."))
+      (setf (http2-reply-status reply) status)
+      (submit-http2-whole-reply (http2-reply-session reply) (http2-reply-stream reply) status headers body))))
 
 (defun queue-reply-buffer (reply)
-  "Give what REPLY's buffer gathered to its body.  False when the stream
-has ended."
-  (let ((end (shiftf (reply-stream-buffer-end reply) 0)))
+  "Give what REPLY's buffer gathered, and a body given whole before it, to
+its body.  False when the stream has ended."
+  (when (http2-reply-whole-body reply)
+    ;; More is written after it: it goes first, as any piece.
+    (unless (queue-reply-body reply (shiftf (http2-reply-whole-body reply) nil))
+      (return-from queue-reply-buffer nil)))
+  (let ((end (shiftf (http2-reply-buffer-end reply) 0)))
     (or (zerop end)
-        (queue-reply-body reply (subseq (reply-stream-buffer reply) 0 end)))))
+        (queue-reply-body reply (subseq (http2-reply-buffer reply) 0 end)))))
 
-(defun wait-for-reply-room (reply)
+(defun wait-for-reply-room (stream reply)
   "Send what REPLY's connection has to send, then wait while more than
 +HTTP2-REPLY-WRITE-OCTETS+ of REPLY wait for its client, up to the write
-timeout; HTTP2-STREAM-GONE when the client reset the stream or took
-nothing meanwhile (the stream is then reset)."
-  (let ((connection (reply-stream-connection reply))
-        (stream (reply-stream-stream reply)))
-    (when (> (http2-stream-reply-queued stream) +http2-reply-write-octets+)
+timeout; HTTP2-STREAM-GONE on STREAM, REPLY's gray stream, when the client
+reset the stream or took nothing meanwhile (the stream is then reset)."
+  (let ((connection (http2-reply-connection reply))
+        (http2-stream (http2-reply-stream reply)))
+    (when (> (http2-stream-reply-queued http2-stream) +http2-reply-write-octets+)
       (flush-http2-connection connection)
       (unless (eq :room (wait-for-http2-reply-room
-                         (http2-connection-session connection) stream +http2-reply-write-octets+
+                         (http2-connection-session connection) http2-stream +http2-reply-write-octets+
                          (+ (get-internal-real-time) (readiness-set-write-timeout (http2-connection-set connection)))))
-        (reset-http2-stream (http2-connection-session connection) stream)
-        (error 'http2-stream-gone :stream reply)))))
+        (reset-http2-stream (http2-connection-session connection) http2-stream)
+        (error 'http2-stream-gone :stream stream)))))
 
-(defmethod trivial-gray-streams:stream-write-sequence ((reply http2-reply-stream) sequence start end &key)
-  (let ((end (or end (length sequence)))
-        (buffer (reply-stream-buffer reply)))
-    (loop while (and (< start end) (null (reply-stream-status reply)))
-          do (take-head-octet reply (aref sequence start))
-             (incf start))
-    (cond ((>= start end))
-          ((<= (- end start) (- (length buffer) (reply-stream-buffer-end reply)))
-           (replace buffer sequence :start1 (reply-stream-buffer-end reply) :start2 start :end2 end)
-           (incf (reply-stream-buffer-end reply) (- end start)))
-          (t (unless (and (queue-reply-buffer reply)
-                          (queue-reply-body reply (subseq sequence start end)))
-               (error 'http2-stream-gone :stream reply))
-             (wait-for-reply-room reply)))
+(defun reply-buffer-room (reply)
+  "REPLY's buffer, made at the first small write, and the room left in it."
+  (let ((buffer (or (http2-reply-buffer reply)
+                    (setf (http2-reply-buffer reply)
+                          (make-array +http2-reply-buffer-octets+ :element-type '(unsigned-byte 8))))))
+    (values buffer (- (length buffer) (http2-reply-buffer-end reply)))))
+
+(defmethod trivial-gray-streams:stream-write-sequence ((stream http2-reply-stream) sequence start end &key)
+  (let* ((reply (reply-stream-reply stream))
+         (end (or end (length sequence)))
+         (start (if (http2-reply-status reply) start (take-head-octets reply sequence start end))))
+    (when (< start end)
+      (multiple-value-bind (buffer room) (reply-buffer-room reply)
+        (if (<= (- end start) room)
+            (progn (replace buffer sequence :start1 (http2-reply-buffer-end reply) :start2 start :end2 end)
+                   (incf (http2-reply-buffer-end reply) (- end start)))
+            (progn (unless (and (queue-reply-buffer reply)
+                                (queue-reply-body reply (subseq sequence start end)))
+                     (error 'http2-stream-gone :stream stream))
+                   (wait-for-reply-room stream reply)))))
     sequence))
 
-(defmethod trivial-gray-streams:stream-write-byte ((reply http2-reply-stream) byte)
-  (cond ((null (reply-stream-status reply)) (take-head-octet reply byte))
-        ((< (reply-stream-buffer-end reply) (length (reply-stream-buffer reply)))
-         (setf (aref (reply-stream-buffer reply) (reply-stream-buffer-end reply)) byte)
-         (incf (reply-stream-buffer-end reply)))
-        (t (unless (queue-reply-buffer reply)
-             (error 'http2-stream-gone :stream reply))
-           (wait-for-reply-room reply)
-           (trivial-gray-streams:stream-write-byte reply byte)))
-  byte)
+(defmethod trivial-gray-streams:stream-write-byte ((stream http2-reply-stream) byte)
+  (let ((octet (make-array 1 :element-type '(unsigned-byte 8) :initial-element byte)))
+    (declare (dynamic-extent octet))
+    (trivial-gray-streams:stream-write-sequence stream octet 0 1)
+    byte))
 
-(defmethod trivial-gray-streams:stream-force-output ((reply http2-reply-stream))
+(defmethod trivial-gray-streams:stream-force-output ((stream http2-reply-stream))
   ;; A streamed reply's head leaves with its first force, its body with
   ;; each; a whole one's with the other streams' replies, at its end.
-  (when (and (reply-stream-status reply) (not (reply-stream-ended-p reply)))
-    (unless (queue-reply-buffer reply)
-      (error 'http2-stream-gone :stream reply))
-    (submit-reply-head reply t)
-    (flush-http2-connection (reply-stream-connection reply)))
+  (let ((reply (reply-stream-reply stream)))
+    (when (and (http2-reply-status reply) (not (http2-reply-ended-p reply)))
+      (unless (queue-reply-buffer reply)
+        (error 'http2-stream-gone :stream stream))
+      (submit-reply-head reply t)
+      (flush-http2-connection (http2-reply-connection reply))))
   nil)
 
-(defmethod trivial-gray-streams:stream-finish-output ((reply http2-reply-stream))
-  (trivial-gray-streams:stream-force-output reply))
+(defmethod trivial-gray-streams:stream-finish-output ((stream http2-reply-stream))
+  (trivial-gray-streams:stream-force-output stream))
 
-(defun refuse-reply-for-memory (reply)
-  "Make REPLY, its HEADERS not submitted, the engine's 503 for a memory
-budget that has no room for its body."
-  (multiple-value-bind (status headers body)
-      (http1-reply-parts (head-error-reply 503 (readiness-set-server-name (http2-connection-set (reply-stream-connection reply)))
-                                           1 "This server is short of memory for the moment.  Please try again later."))
-    (setf (reply-stream-status reply) status
-          (reply-stream-headers reply) headers)
-    (queue-reply-body reply body)))
-
-(defmethod write-reply-body ((body vector) file-fd (reply http2-reply-stream))
-  ;; Octets given whole go to the library as they are, not copied, taken
-  ;; from the memory budget if it has room for them while the head is
-  ;; still to go (else the reply is 503); dropped when the client reset
-  ;; the stream.
+(defmethod write-reply-body ((body vector) file-fd (stream http2-reply-stream))
+  ;; Octets given whole go to the library as they are, not copied; kept,
+  ;; while nothing else is written, to go with the head at the reply's end
+  ;; (SUBMIT-WHOLE-REPLY); dropped when the client reset the stream.
   (declare (ignore file-fd))
-  (let ((octets (coerce body 'octets)))
+  (let ((reply (reply-stream-reply stream))
+        (octets (coerce body 'octets)))
     (cond ((zerop (length octets)) t)
-          ((not (queue-reply-buffer reply)) nil)
-          ((reply-stream-submitted-p reply) (queue-reply-body reply octets))
-          (t (case (queue-http2-reply-octets (reply-stream-session reply) (reply-stream-stream reply) octets
-                                             :reserve t)
-               (:no-memory (refuse-reply-for-memory reply) nil)
-               ((nil) nil)
-               (t (submit-reply-head reply t) t))))))
+          ((or (http2-reply-submitted-p reply) (http2-reply-whole-body reply)
+               (plusp (http2-reply-buffer-end reply)))
+           (and (queue-reply-buffer reply) (queue-reply-body reply octets)))
+          (t (setf (http2-reply-whole-body reply) octets)
+             t))))
 
-(defun end-http2-reply (reply)
-  "End REPLY once its handler has returned: its HEADERS with the stream's
-end when it has no body, else the end of its body.  Its status (500 when
-nothing was written)."
-  (unless (reply-stream-ended-p reply)
-    (setf (reply-stream-ended-p reply) t)
-    (queue-reply-buffer reply)
-    (if (reply-stream-submitted-p reply)
-        (end-http2-reply-body (reply-stream-session reply) (reply-stream-stream reply))
-        (submit-reply-head reply nil)))
-  (reply-stream-status reply))
+(defun end-http2-reply (stream)
+  "End the reply written to STREAM once its handler has returned: its
+HEADERS with the stream's end when it has no body, else the end of its
+body.  Its status (500 when nothing was written)."
+  (let ((reply (reply-stream-reply stream)))
+    (unless (http2-reply-ended-p reply)
+      (setf (http2-reply-ended-p reply) t)
+      (cond ((and (not (http2-reply-submitted-p reply)) (zerop (http2-reply-buffer-end reply)))
+             (submit-whole-reply reply))
+            (t (queue-reply-buffer reply)
+               (end-http2-reply-body (http2-reply-session reply) (http2-reply-stream reply)))))
+    (or (http2-reply-status reply) 500)))

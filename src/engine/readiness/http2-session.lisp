@@ -45,8 +45,10 @@ order.")
   (pointer (cffi:null-pointer))
   (lock (bt:make-lock "http2-session") :read-only t)
   ;; Notified when the library has read some of a reply, or a stream
-  ;; closed: a maker of a reply waiting for room looks again.
+  ;; closed, while ROOM-WAITERS makers of a reply wait for room: each looks
+  ;; again.  A notice with none waiting would be a system call for nothing.
   (room (bt:make-condition-variable :name "http2-reply-room") :read-only t)
+  (room-waiters 0 :type fixnum)
   ;; Stream id -> HTTP2-STREAM, for the streams not closed yet.
   (streams (make-hash-table) :read-only t)
   ;; Streams whose request is whole and not yet handed out, newest first.
@@ -85,6 +87,11 @@ the callback that found it answers the library's failure code."
   (setf (http2-session-flooded-p session) t)
   +nghttp2-err-callback-failure+)
 
+(defun tell-room-waiters (session)
+  "Wake the makers of SESSION's replies that wait for room, if any."
+  (when (plusp (http2-session-room-waiters session))
+    (condition-broadcast (http2-session-room session))))
+
 (defun drop-http2-reply (session stream)
   "Forget what waits of STREAM's reply, its octets given back to SESSION's
 memory budget, and wake makers waiting for room."
@@ -94,7 +101,7 @@ memory budget, and wake makers waiting for room."
     (when (plusp octets)
       (decf (http2-session-reply-octets session) octets)
       (release-memory (http2-session-budget session) octets))
-    (condition-broadcast (http2-session-room session))))
+    (tell-room-waiters session)))
 
 (defun note-http2-stream-closed (session stream)
   "STREAM of SESSION has closed: what it held given back, its id kept
@@ -133,7 +140,7 @@ it is read whole; the count copied."
       (decf (http2-stream-reply-queued stream) copied)
       (decf (http2-session-reply-octets session) copied)
       (release-memory (http2-session-budget session) copied)
-      (condition-broadcast (http2-session-room session)))
+      (tell-room-waiters session))
     copied))
 
 (defun http2-frame-allowed-p (session type stream-id length flags)
@@ -162,10 +169,13 @@ HEADERS opening a stream out of order (PROTOCOL_ERROR)."
 (defun take-http2-stream-body (session stream)
   "Take STREAM's request body from it, whole, with SESSION's lock: its
 pieces, newest first, and their octets, charged to SESSION's memory
-budget, which the taker gives back."
-  (bt:with-lock-held ((http2-session-lock session))
-    (values (shiftf (http2-stream-body-pieces stream) '())
-            (shiftf (http2-stream-body-length stream) 0))))
+budget, which the taker gives back.  A request without one takes no lock:
+a body comes before the request is whole, never after."
+  (if (null (http2-stream-body-pieces stream))
+      (values '() 0)
+      (bt:with-lock-held ((http2-session-lock session))
+        (values (shiftf (http2-stream-body-pieces stream) '())
+                (shiftf (http2-stream-body-length stream) 0)))))
 
 (defun http2-session-held-octets (session)
   "The octets SESSION holds for its client, asked with its lock: bodies
@@ -180,9 +190,12 @@ arriving, replies not taken by the library."
 for the library, or STREAM has ended, or the internal real time DEADLINE:
 :ROOM, :CLOSED or :TIMEOUT."
   (bt:with-lock-held ((http2-session-lock session))
-    (loop (cond ((or (eq (http2-stream-state stream) :closed) (cffi:null-pointer-p (http2-session-pointer session)))
-                 (return :closed))
-                ((<= (http2-stream-reply-queued stream) octets) (return :room))
-                ((>= (get-internal-real-time) deadline) (return :timeout)))
-          (bt:condition-wait (http2-session-room session) (http2-session-lock session)
-                             :timeout (seconds-until deadline)))))
+    (incf (http2-session-room-waiters session))
+    (unwind-protect
+         (loop (cond ((or (eq (http2-stream-state stream) :closed) (cffi:null-pointer-p (http2-session-pointer session)))
+                      (return :closed))
+                     ((<= (http2-stream-reply-queued stream) octets) (return :room))
+                     ((>= (get-internal-real-time) deadline) (return :timeout)))
+               (bt:condition-wait (http2-session-room session) (http2-session-lock session)
+                                  :timeout (seconds-until deadline)))
+      (decf (http2-session-room-waiters session)))))

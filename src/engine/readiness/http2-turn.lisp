@@ -129,8 +129,7 @@ head end, the acceptor and the connection's addresses; then ends the
 reply, counts it, and lets the connection's next streams begin."
   (let ((set (http2-connection-set connection)))
     (lambda (serving)
-      (bt:with-lock-held ((http2-session-lock (http2-connection-session connection)))
-        (decf (http2-connection-queued connection)))
+      (atomic-decrement (http2-connection-queued connection))
       (multiple-value-bind (body-pieces body-length)
           (take-http2-stream-body (http2-connection-session connection) stream)
         (unwind-protect
@@ -158,10 +157,9 @@ theirs when the last of them ends, and in any case within
 +TASK-NUDGE-MILLISECONDS+: a batch of
 streams' replies leaves in one send, not one each (a send a stream was a
 fifth of an HTTP/2 request's time, bench/profiles/2026-11-28-http2.txt)."
-  (let ((queued (bt:with-lock-held ((http2-session-lock (http2-connection-session connection)))
-                  (decf (http2-connection-running connection))
-                  (note-http2-reply-size connection (http2-stream-reply-made stream))
-                  (http2-connection-queued connection))))
+  (note-http2-reply-size connection (http2-stream-reply-made stream))
+  (atomic-decrement (http2-connection-running connection))
+  (let ((queued (http2-connection-queued connection)))
     (setf (http2-connection-last-active connection) (get-internal-real-time))
     (start-waiting-streams connection answer)
     (cond ((zerop queued) (flush-http2-connection connection))

@@ -291,27 +291,31 @@ strings), whose octets are at TEXT one after the other (HEADER-FIELDS-TEXT)."
                      (cffi:foreign-slot-value entry '(:struct nghttp2-nv) 'flags) 0)
                (incf position (+ (length name) (length value)))))))
 
+(defun %submit-http2-reply-head (session stream status headers body-p)
+  "SUBMIT-HTTP2-REPLY-HEAD with SESSION's lock held."
+  (when (eq (http2-stream-state stream) :queued)
+    (setf (http2-stream-state stream) :answered)
+    (let* ((fields (cons (cons ":status" (princ-to-string status)) headers))
+           (count (length fields))
+           (octets (header-fields-text fields)))
+      (cffi:with-foreign-objects ((nva '(:struct nghttp2-nv) count)
+                                  (provider '(:struct nghttp2-data-provider)))
+        (cffi:with-pointer-to-vector-data (text octets)
+          ;; The library copies the fields, while OCTETS stay where they are.
+          (fill-header-fields nva fields text)
+          (setf (cffi:foreign-slot-value provider '(:struct nghttp2-data-provider) 'source) (cffi:null-pointer)
+                (cffi:foreign-slot-value provider '(:struct nghttp2-data-provider) 'read-callback)
+                (cffi:callback http2-read-reply-body))
+          (zerop (%nghttp2-submit-response (http2-session-pointer session) (http2-stream-id stream) nva count
+                                           (if body-p provider (cffi:null-pointer)))))))))
+
 (defun submit-http2-reply-head (session stream status headers body-p)
   "Submit the HEADERS of STREAM's reply: STATUS and HEADERS (an alist of
 lower-case name and value strings); with a body to come when BODY-P (read
 as QUEUE-HTTP2-REPLY-OCTETS gives it), else the stream's end.  False when
 STREAM or SESSION has ended, or the stream was answered."
   (with-http2-session (session)
-    (when (eq (http2-stream-state stream) :queued)
-      (setf (http2-stream-state stream) :answered)
-      (let* ((fields (cons (cons ":status" (princ-to-string status)) headers))
-             (count (length fields))
-             (octets (header-fields-text fields)))
-        (cffi:with-foreign-objects ((nva '(:struct nghttp2-nv) count)
-                                    (provider '(:struct nghttp2-data-provider)))
-          (cffi:with-pointer-to-vector-data (text octets)
-            ;; The library copies the fields, while OCTETS stay where they are.
-            (fill-header-fields nva fields text)
-            (setf (cffi:foreign-slot-value provider '(:struct nghttp2-data-provider) 'source) (cffi:null-pointer)
-                  (cffi:foreign-slot-value provider '(:struct nghttp2-data-provider) 'read-callback)
-                  (cffi:callback http2-read-reply-body))
-            (zerop (%nghttp2-submit-response (http2-session-pointer session) (http2-stream-id stream) nva count
-                                             (if body-p provider (cffi:null-pointer))))))))))
+    (%submit-http2-reply-head session stream status headers body-p)))
 
 (defun resume-http2-reply (session stream)
   "Let the library read STREAM's reply again if it was waiting for more.
@@ -320,27 +324,31 @@ With SESSION's lock held."
     (setf (http2-stream-reply-deferred-p stream) nil)
     (%nghttp2-session-resume-data (http2-session-pointer session) (http2-stream-id stream))))
 
+(defun %queue-http2-reply-octets (session stream octets reserve)
+  "QUEUE-HTTP2-REPLY-OCTETS with SESSION's lock held."
+  (cond
+    ((eq (http2-stream-state stream) :closed) nil)
+    ((and reserve (not (reserve-memory (http2-session-budget session) (length octets)))) :no-memory)
+    (t (let ((cell (list octets)))
+         (if (http2-stream-reply-pieces stream)
+             (setf (cdr (http2-stream-reply-pieces-tail stream)) cell)
+             (setf (http2-stream-reply-pieces stream) cell))
+         (setf (http2-stream-reply-pieces-tail stream) cell))
+       (incf (http2-stream-reply-queued stream) (length octets))
+       (incf (http2-stream-reply-made stream) (length octets))
+       (incf (http2-session-reply-octets session) (length octets))
+       (unless reserve
+         (charge-memory (http2-session-budget session) (length octets)))
+       (resume-http2-reply session stream)
+       t)))
+
 (defun queue-http2-reply-octets (session stream octets &key reserve)
   "Add OCTETS, a vector no one changes from now on, to STREAM's reply body,
 charged to SESSION's memory budget until the library reads them -- or,
 when RESERVE, taken from it only if they fit (else :NO-MEMORY, nothing
 added).  False, nothing added, when STREAM or SESSION has ended."
   (with-http2-session (session)
-    (cond
-      ((eq (http2-stream-state stream) :closed) nil)
-      ((and reserve (not (reserve-memory (http2-session-budget session) (length octets)))) :no-memory)
-      (t (let ((cell (list octets)))
-           (if (http2-stream-reply-pieces stream)
-               (setf (cdr (http2-stream-reply-pieces-tail stream)) cell)
-               (setf (http2-stream-reply-pieces stream) cell))
-           (setf (http2-stream-reply-pieces-tail stream) cell))
-         (incf (http2-stream-reply-queued stream) (length octets))
-         (incf (http2-stream-reply-made stream) (length octets))
-         (incf (http2-session-reply-octets session) (length octets))
-         (unless reserve
-           (charge-memory (http2-session-budget session) (length octets)))
-         (resume-http2-reply session stream)
-         t))))
+    (%queue-http2-reply-octets session stream octets reserve)))
 
 (defun end-http2-reply-body (session stream)
   "End STREAM's reply body: the library ends the stream once it has read
@@ -349,6 +357,20 @@ what waits."
     (unless (eq (http2-stream-state stream) :closed)
       (setf (http2-stream-reply-ended-p stream) t)
       (resume-http2-reply session stream))))
+
+(defun submit-http2-whole-reply (session stream status headers body &key reserve)
+  "Submit STREAM's whole reply, STATUS, HEADERS and BODY (octets or NIL),
+in one hold of SESSION's lock, as SUBMIT-HTTP2-REPLY-HEAD, QUEUE-HTTP2-
+REPLY-OCTETS and END-HTTP2-REPLY-BODY would: true, :NO-MEMORY or false."
+  (with-http2-session (session)
+    (when (eq (http2-stream-state stream) :queued)
+      (let ((queued (or (null body) (zerop (length body))
+                        (%queue-http2-reply-octets session stream body reserve))))
+        (if (eq queued :no-memory)
+            :no-memory
+            (progn (setf (http2-stream-reply-ended-p stream) t)
+                   (%submit-http2-reply-head session stream status headers
+                                             (and body (plusp (length body))))))))))
 
 (defun refuse-http2-stream (session stream)
   "Reset STREAM of SESSION with REFUSED_STREAM: the client may send it again

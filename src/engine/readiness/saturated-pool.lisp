@@ -4,7 +4,8 @@
 ;;;; waiting worker would begin with: it takes new connections off the
 ;;;; listening socket and looks at what has arrived on parked ones.  A request
 ;;;; whose head is complete then waits for a worker under the queue
-;;;; timeout, and is answered 503 with Retry-After when that passes,
+;;;; timeout, in the queue of tasks busy workers run, and is answered 503
+;;;; with Retry-After when that passes,
 ;;;; instead of 408 at the header timeout or nothing at all.  Whatever it
 ;;;; takes it parks again at once, so the first worker to wait serves it.
 ;;;; A worker woken for the listening socket while no other is free takes
@@ -18,11 +19,17 @@
 
 (defun queue-for-worker (set connection)
   "CONNECTION's request head has arrived: park it to wait for a worker until
-the queue timeout, unless it waits so already."
+the queue timeout, unless it waits so already; its token goes in the queue
+of tasks too, which busy workers run before they wait on the set again:
+those whose tasks refill themselves as fast as they are run (an HTTP/2
+connection's streams, each begun as another ends) would otherwise not
+look at the set before the queue timeout.  A turn the set reports besides
+finds it taken, or nothing to read."
   (unless (eql (connection-timeout-status connection) 503)
     (setf (connection-timeout-status connection) 503
           (connection-deadline connection) (+ (get-internal-real-time) (readiness-set-queue-timeout set))))
-  (park-until set connection (connection-deadline connection)))
+  (park-until set connection (connection-deadline connection))
+  (queue-worker-tasks set (list (connection-token connection))))
 
 (defun wait-for-rest-of-head (set connection)
   "Part of CONNECTION's request head, or none of it, has arrived: park it

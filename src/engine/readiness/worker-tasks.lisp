@@ -95,11 +95,6 @@ wait, arm the nudge again for them (see above)."
     (:held-up (signal-wakeup-fd (readiness-set-task-fd set)))
     (:kept-up (call-soon set (lambda () (nudge-task-workers set))))))
 
-(defun queued-task-count (set)
-  "The tasks waiting in SET's queue now; read without the lock, a count
-another thread may be changing."
-  (- (readiness-set-tasks-queued set) (readiness-set-tasks-taken set)))
-
 (defun pop-worker-task (set)
   "The oldest task of SET's queue, taken, or NIL; second value, true when
 more wait."

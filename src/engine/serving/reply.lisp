@@ -276,14 +276,17 @@ Hunchentoot's START-OUTPUT."
 
 (defun report-handler-error (request error &optional backtrace)
   "Log ERROR as Hunchentoot does and answer 500 with the acceptor's status
-message, unless the reply has begun."
-  (when hunchentoot:*log-lisp-errors-p*
-    (hunchentoot:log-message* hunchentoot:*lisp-errors-log-level* "~A~@[~%~A~]"
-                              error (and hunchentoot:*log-lisp-backtraces-p* backtrace)))
-  (send-reply request hunchentoot:+http-internal-server-error+
-              (hunchentoot:acceptor-status-message hunchentoot:*acceptor* hunchentoot:+http-internal-server-error+
-                                                   :error (princ-to-string error)
-                                                   :backtrace (princ-to-string backtrace))))
+message, unless the reply has begun.  A REPLY-NOT-DEFERRABLE, the engine's
+refusal of what the handler asked, is logged as its one line, without the
+backtrace: a client can make it at every request."
+  (let ((backtrace (and (not (typep error 'reply-not-deferrable)) backtrace)))
+    (when hunchentoot:*log-lisp-errors-p*
+      (hunchentoot:log-message* hunchentoot:*lisp-errors-log-level* "~A~@[~%~A~]"
+                                error (and hunchentoot:*log-lisp-backtraces-p* backtrace)))
+    (send-reply request hunchentoot:+http-internal-server-error+
+                (hunchentoot:acceptor-status-message hunchentoot:*acceptor* hunchentoot:+http-internal-server-error+
+                                                     :error (princ-to-string error)
+                                                     :backtrace (princ-to-string backtrace)))))
 
 (defmethod hunchentoot:process-request ((request parallel-request))
   "Under a PARALLEL-ACCEPTOR, Hunchentoot's request processing with the
