@@ -21,9 +21,10 @@ once the headers are sent."
                   :reason (format nil "it is made ~A outside a handler of a parallel acceptor's request." what)))
           ((null (worker-connection (serving-worker serving)))
            ;; A worker task's: the connection is its holder's.
-           (error 'reply-not-deferrable
-                  :reason (format nil "it is made ~A in an HTTP/2 stream's handler, which this version answers ~
-only when the handler returns." what)))
+           (error (setf (serving-refusal serving)
+                        (make-condition 'reply-not-deferrable
+                                        :reason (format nil "it is made ~A in an HTTP/2 stream's handler, which ~
+this version answers only when the handler returns." what)))))
           ((headers-sent-p)
            (error 'reply-not-deferrable :reason "its headers have been sent."))
           (t serving))))

@@ -219,16 +219,21 @@ side of the connection."
 
 (test deferred-reply.half-closed-tls-clients-get-their-reply
   (with-server (server (tls-server))
-    (dotimes (i 20)
-      (multiple-value-bind (stream socket) (tls-connect server)
-        (unwind-protect
-             (progn
-               (write-sequence (flex:string-to-octets (crlf-lines "GET /test/deferred/timer?ms=200 HTTP/1.1" "Host: x" "")
-                                                      :external-format :latin-1)
-                               stream)
-               (finish-output stream)
-               (sb-bsd-sockets:socket-shutdown (usocket:socket socket) :direction :output)
-               (multiple-value-bind (status body) (read-stream-response stream)
-                 (is (eql 201 status) "half-closed TLS client ~D: ~A ~A" i status body)))
-          (ignore-errors (close stream))
-          (usocket:socket-close socket))))))
+    (let ((clients (loop repeat 1000
+                         collect (multiple-value-bind (stream socket) (tls-connect server)
+                                   (write-sequence (flex:string-to-octets
+                                                    (crlf-lines "GET /test/deferred/timer?ms=2000 HTTP/1.1" "Host: x" "")
+                                                    :external-format :latin-1)
+                                                   stream)
+                                   (finish-output stream)
+                                   (sb-bsd-sockets:socket-shutdown (usocket:socket socket) :direction :output)
+                                   (cons stream socket)))))
+      (unwind-protect
+           (is (= 1000 (count 201 clients :key (lambda (client)
+                                                 (handler-case (read-stream-response (car client))
+                                                   (error () nil)))))
+               "each half-closed TLS client got its reply")
+        (loop for (stream . socket) in clients
+              do (ignore-errors (close stream))
+                 (usocket:socket-close socket)))
+      (is (wait-until (lambda () (eql 0 (stats server :deferred-replies))))))))

@@ -188,21 +188,31 @@ signal from the wait as well as from the read."
   (start (make-array 0 :element-type '(unsigned-byte 8) :adjustable t :fill-pointer t))
   (ended-p nil))
 
+(defun count-blank-lines (buffer count last)
+  "The LF LF pairs among the first COUNT octets of BUFFER, the octet before
+them LAST; second value, the last of them."
+  (declare (type (simple-array (unsigned-byte 8) (*)) buffer) (type fixnum count)
+           (type (unsigned-byte 8) last) (optimize speed))
+  (let ((pairs 0))
+    (declare (type fixnum pairs))
+    (dotimes (i count (values pairs last))
+      (let ((octet (aref buffer i)))
+        (when (and (= octet 10) (= last 10))
+          (incf pairs))
+        (setf last octet)))))
+
 (defun read-available (reader buffer)
   "Read what READER's socket, non-blocking, has now, counting it; true when
 something came.  At its end, READER is marked ended."
-  (multiple-value-bind (octets count)
-      (handler-case (sb-bsd-sockets:socket-receive (usocket:socket (octets-reader-socket reader)) buffer nil)
-        (error () (values nil 0)))
-    (cond ((null octets) (when (eql count 0) (setf (octets-reader-ended-p reader) t)) nil)
-          ((zerop count) (setf (octets-reader-ended-p reader) t) nil)
+  (let ((count (hrt::receive-available (sb-bsd-sockets:socket-file-descriptor (usocket:socket (octets-reader-socket reader)))
+                                       buffer 0 (length buffer))))
+    (cond ((eq count :would-block) nil)
+          ((or (eq count :error) (zerop count)) (setf (octets-reader-ended-p reader) t) nil)
           (t (loop for i below (min count (- 256 (length (octets-reader-start reader))))
                    do (vector-push-extend (aref buffer i) (octets-reader-start reader)))
-             (loop for i below count
-                   do (let ((octet (aref buffer i)))
-                        (when (and (= octet 10) (= (octets-reader-last reader) 10))
-                          (incf (octets-reader-events reader)))
-                        (setf (octets-reader-last reader) octet)))
+             (multiple-value-bind (pairs last) (count-blank-lines buffer count (octets-reader-last reader))
+               (incf (octets-reader-events reader) pairs)
+               (setf (octets-reader-last reader) last))
              (incf (octets-reader-octets reader) count)
              t))))
 
@@ -215,10 +225,8 @@ something came.  At its end, READER is marked ended."
 (defun start-octets-readers (sockets)
   "An OCTETS-READER for each of SOCKETS, read as fast as they come by one
 thread, until each has ended.  The sockets are read by their descriptors,
-never their Lisp streams, which are made non-blocking."
+never their Lisp streams, without waiting (recv(2) with MSG_DONTWAIT)."
   (let ((readers (mapcar #'make-octets-reader sockets)))
-    (dolist (socket sockets)
-      (setf (sb-bsd-sockets:non-blocking-mode (usocket:socket socket)) t))
     (bt:make-thread
      (lambda ()
        (let ((buffer (make-array 65536 :element-type '(unsigned-byte 8))))

@@ -49,7 +49,8 @@ when the pool is stopping."
                    (serving-reply-sent-p serving) nil
                    (serving-upgrade serving) nil
                    (serving-deferred serving) nil
-                   (serving-event-stream serving) nil)
+                   (serving-event-stream serving) nil
+                   (serving-refusal serving) nil)
              (let* ((reply-object (make-reply (serving-constructors serving)
                                               (serving-plain-header-methods-p serving)))
                     (hunchentoot:*reply* reply-object)

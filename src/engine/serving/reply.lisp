@@ -276,10 +276,10 @@ Hunchentoot's START-OUTPUT."
 
 (defun report-handler-error (request error &optional backtrace)
   "Log ERROR as Hunchentoot does and answer 500 with the acceptor's status
-message, unless the reply has begun.  A REPLY-NOT-DEFERRABLE, the engine's
-refusal of what the handler asked, is logged as its one line, without the
-backtrace: a client can make it at every request."
-  (let ((backtrace (and (not (typep error 'reply-not-deferrable)) backtrace)))
+message, unless the reply has begun.  The engine's refusal of what the
+handler asked (SERVING-REFUSAL), which a client can make at every request,
+is logged as its one line, without the backtrace."
+  (let ((backtrace (and (not (and *serving* (shiftf (serving-refusal *serving*) nil))) backtrace)))
     (when hunchentoot:*log-lisp-errors-p*
       (hunchentoot:log-message* hunchentoot:*lisp-errors-log-level* "~A~@[~%~A~]"
                                 error (and hunchentoot:*log-lisp-backtraces-p* backtrace)))

@@ -93,7 +93,8 @@ began)."
                  (serving-reply-sent-p serving) nil
                  (serving-upgrade serving) nil
                  (serving-deferred serving) nil
-                 (serving-event-stream serving) nil)
+                 (serving-event-stream serving) nil
+                 (serving-refusal serving) nil)
            (with-request-bindings ()
              (setf (current-connection-stream) (if chunked-p content-stream stream))
              (let ((reply (make-reply (serving-constructors serving)
