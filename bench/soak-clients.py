@@ -29,16 +29,12 @@ def open_stream(port):
 
 
 def open_websocket(port):
+    """A socket of /ws/echo whose handshake is sent; its reply is read as it
+    comes, with the echoes, so that no handshake holds up the others."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
     key = base64.b64encode(os.urandom(16)).decode()
     sock.sendall(("GET /ws/echo HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
                   "Sec-WebSocket-Key: %s\r\nSec-WebSocket-Version: 13\r\n\r\n" % key).encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(4096)
-        if not chunk:
-            raise OSError("closed during the handshake")
-        head += chunk
     sock.setblocking(False)
     return sock
 
@@ -68,9 +64,8 @@ def main(port, seconds, streams, sockets):
         if time.monotonic() >= end:
             break
         try:
-            sock = open_websocket(port)
-            sock.sendall(frame)
-            selector.register(sock, selectors.EVENT_READ, {"kind": "websocket", "read": 0})
+            selector.register(open_websocket(port), selectors.EVENT_READ,
+                              {"kind": "websocket", "head": b"", "read": None})
         except OSError:
             counts["not_opened"] += 1
     next_publish = time.monotonic()
@@ -102,6 +97,16 @@ def main(port, seconds, streams, sockets):
                 counts["events"] += text.count(b"\n\n")
                 state["last"] = text[-1:]
             else:
+                if state["read"] is None:
+                    # The handshake's reply, then the first message is sent.
+                    state["head"] += data
+                    if b"\r\n\r\n" not in state["head"]:
+                        continue
+                    data = state["head"].split(b"\r\n\r\n", 1)[1]
+                    state["read"] = 0
+                    key.fileobj.setblocking(True)
+                    key.fileobj.sendall(frame)
+                    key.fileobj.setblocking(False)
                 state["read"] += len(data)
                 # Each echo is its frame's 4-octet head and the message.
                 while state["read"] >= len(message) + 4:
