@@ -272,8 +272,7 @@ SET started, and no worker."
                    (send-text socket (get-request "/test/yo"))))
                (is-true (wait-until (lambda () (eql 5 (accept-queue-length port)))))
                ;; Taken as by a worker woken late while no worker is free:
-               ;; the four behind the first are parked, their heads there,
-               ;; and queued for a worker.
+               ;; the four behind the first are parked, their heads there.
                (setf (hrt::readiness-set-listen-armed-at set) (- (hrt::monotonic-microseconds) 20000))
                (hrt::close-connection set (hrt::take-new-connection engine set))
                (is (= 4 (hrt::parked-connection-count set)))
@@ -285,90 +284,26 @@ SET started, and no worker."
                         (count (hrt::epoll-wait-into epoll-fd 1000 sap 16))
                         (first (progn (hrt::queue-worker-tasks set (list task))
                                       (hrt::take-reported-tokens set sap count)))
-                        ;; Each twice: queued as its head was looked at, as
-                        ;; it was accepted, and as the wait reported it.
-                        (queued (remove-duplicates (hrt::readiness-set-tokens set) :from-end t)))
+                        (queued (remove task (hrt::readiness-set-tasks set))))
                    (is (eql 5 count) "one epoll_wait reports the four connections and the timer: ~S" count)
                    (is (eql hrt::+timer-token+ first) "the timer served first: ~S" first)
                    (is (= 4 (length queued)) "the four connections wait as tasks: ~S" queued)
-                   (is (equal (list task) (hrt::readiness-set-tasks set)) "beside the function queued before them")
-                   (is (eql (first queued) (hrt::pop-worker-task set)) "and are taken before it")
-                   (hrt::queue-worker-tasks set (list (first queued)))
+                   (is (equal (list task) (remove-if #'integerp (hrt::readiness-set-tasks set)))
+                       "after the task queued before them")
                    (hrt::run-due-timers set (hrt::engine-acceptor engine))
                    ;; The sweep, woken for the tasks while no worker is free,
                    ;; takes the queued connections as reported ones: each head
                    ;; complete, each waits for a worker under the queue timeout,
-                   ;; queued again for the busy ones.
+                   ;; queued again behind the function task for the busy ones.
                    (is-false (hrt::sweep-reported-token engine set hrt::+task-token+))
-                   (is (equal (list task) (hrt::readiness-set-tasks set)) "the function task stays for a worker")
-                   (is (equal (sort (copy-list queued) #'<)
-                              (sort (remove-duplicates (hrt::readiness-set-tokens set) :from-end t) #'<))
-                       "the connections queued again: ~S" (hrt::readiness-set-tokens set))
+                   (is (eq task (first (hrt::readiness-set-tasks set))) "the function task stays for a worker")
+                   (is (equal (sort (copy-list queued) #'<) (sort (remove task (hrt::readiness-set-tasks set)) #'<))
+                       "the connections queued behind it: ~S" (hrt::readiness-set-tasks set))
                    (dolist (token queued)
                      (is (eql 503 (hrt::connection-timeout-status (connection-of token))))
                      (is (eq :parked (hrt::connection-state (connection-of token))))))))
           (loop while (hrt::pop-worker-task set))
           (mapc #'usocket:socket-close clients))))))
-
-;;; A connection whose head is whole waits for a worker in the tokens of the
-;;; queue (worker-tasks.lisp); the sweep must get it there, and keep it there.
-
-(defun queued-connection (set token)
-  (svref (hrt::readiness-set-slots set) (hrt::slot-index token)))
-
-(defmacro with-a-request-waiting-to-be-accepted ((client port) &body body)
-  `(let ((,client (connect-to-port ,port)))
-     (unwind-protect
-          (progn (send-text ,client (get-request "/test/yo"))
-                 (is-true (wait-until (lambda () (eql 1 (accept-queue-length ,port)))))
-                 ,@body)
-       (usocket:socket-close ,client))))
-
-(test saturation.the-sweep-accepts-before-what-the-set-reports
-  ;; Busy connections reported before the listening socket (an HTTP/2
-  ;; client's, the task descriptor) held a new one back for seconds: the
-  ;; sweep takes the socket first, and the new connection's whole head
-  ;; waits for a worker at once.
-  (with-engine-without-workers (engine set port)
-    ;; Reported first: ready before the client connects.
-    (hrt::signal-wakeup-fd (hrt::readiness-set-task-fd set))
-    (with-a-request-waiting-to-be-accepted (client port)
-      (hrt::sweep-while-no-worker-free engine set)
-      (let ((tokens (copy-list (hrt::readiness-set-tokens set))))
-        (is (= 1 (length tokens)) "the new connection queued in the sweep that ended at the task descriptor: ~S"
-            tokens)
-        (when tokens
-          (is (eql 503 (hrt::connection-timeout-status (queued-connection set (first tokens))))
-              "under the queue timeout")))
-      (hrt::clear-timer-fd (hrt::readiness-set-task-fd set))
-      (loop while (hrt::pop-worker-task set)))))
-
-(test saturation.a-queued-connection-the-sweep-holds-keeps-its-turn
-  ;; Reported again while its token waits, the queued connection is taken by
-  ;; the sweep; a worker taking the token meanwhile finds it held, and
-  ;; leaves it :NOTIFIED.  The sweep queues it again: no worker looks at
-  ;; the set while tasks wait, and it would wait for the queue timeout.
-  (with-engine-without-workers (engine set port)
-    (with-a-request-waiting-to-be-accepted (client port)
-      (hrt::sweep-while-no-worker-free engine set)
-      (let* ((token (first (hrt::readiness-set-tokens set)))
-             (connection (and token (queued-connection set token))))
-        (is-true token "queued by the sweep")
-        (when token
-          (is (eq connection (hrt::take-ready-connection set token)) "the sweep holds it again")
-          (is (eql token (hrt::pop-worker-task set)) "a worker takes its token")
-          (is (null (hrt::take-ready-connection set token)) "and finds it held")
-          (is (eq :notified (hrt::connection-state connection)))
-          (hrt::note-ready-connection engine set connection)
-          (is (equal (list token) (hrt::readiness-set-tokens set)) "queued again: ~S"
-              (hrt::readiness-set-tokens set))
-          (is (eq :parked (hrt::connection-state connection)))
-          ;; Not :NOTIFIED, as when only the set reported it again: parked,
-          ;; its token still waiting, it is not queued twice.
-          (is (eq connection (hrt::take-ready-connection set token)))
-          (hrt::note-ready-connection engine set connection)
-          (is (equal (list token) (hrt::readiness-set-tokens set)))))
-      (loop while (hrt::pop-worker-task set)))))
 
 (test saturation.the-nudge-wakes-a-worker-only-for-tasks-held-up
   ;; Under steady load the queue is refilled as fast as it is served: a
@@ -395,37 +330,17 @@ SET started, and no worker."
         (is-false (hrt::readiness-set-task-nudge-p set))
         (take 1)
         ;; Tokens queued after a function and taken out of the queue by the
-        ;; sweep: the function left is still older than the nudge.
+        ;; sweep: the function left counts as the newest, and waits one
+        ;; nudge more at most.
         (queue 1)
         (hrt::queue-worker-tasks set (list 123456 123457))
         (is (equal '(123456 123457) (hrt::take-queued-tokens set)))
         (hrt::nudge-task-workers set)
-        (is-true (woken-p) "the function left is held up")
-        (take 1)
-        ;; A token queued while the functions keep up is held up by itself.
-        (queue 1)
-        (take 1)
-        (hrt::queue-worker-tasks set (list 123458))
+        (is-false (woken-p))
         (hrt::nudge-task-workers set)
-        (is-false (woken-p) "the token is newer than the nudge")
-        (hrt::nudge-task-workers set)
-        (is-true (woken-p) "a token older than the nudge waits")
-        (is (eql 123458 (hrt::pop-worker-task set)))
+        (is-true (woken-p) "the function left waited two nudges")
+        (take 1)
         (is (null (hrt::readiness-set-tasks set)))))))
-
-(test saturation.connections-reported-go-before-the-functions-queued
-  ;; An HTTP/2 client's streams refill the functions as fast as they are
-  ;; run: a connection reported meanwhile is taken at the next task.
-  (with-engine-without-workers (engine set port)
-    (let ((first-function (lambda (serving) (declare (ignore serving))))
-          (second-function (lambda (serving) (declare (ignore serving)))))
-      (hrt::queue-worker-tasks set (list first-function second-function))
-      (hrt::queue-worker-tasks set (list 123456 123457))
-      (is (equal (list 123456 123457 first-function second-function)
-                 (loop for task = (hrt::pop-worker-task set) while task collect task))
-          "the tokens first, each kind in its order")
-      (hrt::nudge-task-workers set)
-      (hrt::clear-timer-fd (hrt::readiness-set-task-fd set)))))
 
 (defun wait-on-set-through-signals (set milliseconds)
   "What one epoll_wait on SET's descriptor for MILLISECONDS reports (a count

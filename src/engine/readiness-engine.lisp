@@ -119,13 +119,13 @@ is logged."
                (log-safely (serving-acceptor serving) :error "Error in a worker task: ~A" condition))))))
 
 (defun run-queued-tasks (set serving)
-  "Run the tasks waiting in SET's queue, in its order, until none waits.
+  "Run the tasks waiting in SET's queue, oldest first, until none waits.
 Before each, the objects of the connection queued after it are asked into
 the caches, a turn ahead of their use (PREFETCH-REPORTED-CONNECTION-OBJECTS)."
-  (loop for task = (and (worker-tasks-waiting-p set) (pop-worker-task set))
+  (loop for task = (and (readiness-set-tasks set) (pop-worker-task set))
         while task
-        do (let ((next (first (readiness-set-tokens set))))
-             (when next
+        do (let ((next (first (readiness-set-tasks set))))
+             (when (integerp next)
                (prefetch-reported-connection-objects set next)))
            (run-worker-task serving task)))
 

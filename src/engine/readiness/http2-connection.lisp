@@ -197,23 +197,16 @@ or :FAILED."
       (unless (and (eq status :sent) (offer-http2-output connection))
         (return status)))))
 
-(defconstant +http2-sends-per-hold+ 4
-  "The most rounds of sending a thread makes to one HTTP/2 connection before
-it lets a worker take the rest: a client that reads at once, its
-handlers adding frames all the while, held one thread sending for seconds.")
-
 (defun park-http2-connection (connection)
   "Send what CONNECTION has to send, then park it, held by the caller,
 until its client sends, its socket has room, or its deadline
-(HTTP2-DEADLINE); what its handlers offer meanwhile is sent again, up to
-+HTTP2-SENDS-PER-HOLD+ rounds, then its token is queued for a worker.  T
-when parked (and perhaps another thread's already); :CLOSE when the
-caller is to close it: a send to it was refused, its client has gone, its
-session has ended with nothing left to send, or the descriptor could not
-be armed."
+(HTTP2-DEADLINE).  T when parked (and perhaps another thread's already);
+:CLOSE when the caller is to close it: a send to it was refused, its
+client has gone, its session has ended with nothing left to send, or the
+descriptor could not be armed."
   (let ((holder (http2-connection-connection connection))
         (set (http2-connection-set connection)))
-    (loop for round from 1 do
+    (loop
       (when (or (http2-connection-refusal-code connection)
                 (eq (send-http2-frames connection) :failed))
         (return :close))
@@ -229,27 +222,9 @@ be armed."
         (return :close))
       ;; See "Sending from any thread" in outbox.lisp.
       (memory-barrier)
-      (cond ((not (or (http2-connection-inbox connection) (http2-connection-refusal-code connection)))
-             (return t))
-            ((>= round +http2-sends-per-hold+)
-             (queue-worker-tasks set (list (connection-token holder)))
-             (return t))
-            ((not (take-parked-connection holder))
-             (return t))))))
-
-(defun hand-http2-connection-to-a-worker (connection)
-  "For the sweep: park CONNECTION, held by the caller, as it was, and queue
-its token for a worker (taken before the functions), which reads and sends
-what waits.  Its client reading at once and its handlers adding more,
-sending it all held the sweep a third of a second a connection, new
-connections waiting meanwhile (bench/run memory).  T, or :CLOSE when the
-descriptor could not be armed."
-  (let ((holder (http2-connection-connection connection))
-        (set (http2-connection-set connection)))
-    (cond ((park-connection set holder (http2-deadline connection))
-           (queue-worker-tasks set (list (connection-token holder)))
-           t)
-          (t :close))))
+      (unless (and (or (http2-connection-inbox connection) (http2-connection-refusal-code connection))
+                   (take-parked-connection holder))
+        (return t)))))
 
 (defun send-http2-goaway (connection cause)
   "Queue CONNECTION's GOAWAY for CAUSE, counted, unless sent already."

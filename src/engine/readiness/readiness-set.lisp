@@ -15,16 +15,17 @@
   (wakeup-fd -1 :type fixnum :read-only t)
   ;; The TIMERS called by the workers it wakes (timers.lisp).
   (timers (make-timers) :read-only t)
-  ;; The tasks any worker may run (worker-tasks.lisp): functions, and
-  ;; tokens taken before them; of each kind the list, oldest first, its last
-  ;; cons, the count ever queued and taken, and the count queued when the
-  ;; nudge due was armed (those below it are older).  Whether a nudge is due;
-  ;; the lock around them is TASKS-LOCK, the eventfd that wakes a worker TASK-FD.
-  (tasks '()) (tasks-tail '())
-  (tokens '()) (tokens-tail '())
+  ;; The tasks any worker may run (worker-tasks.lisp), oldest first, the
+  ;; last cons of the list, whether a nudge is due, and the lock around
+  ;; them; the eventfd that wakes a worker for them, in the epoll set
+  ;; under +TASK-TOKEN+.  The tasks ever queued and taken, and the count
+  ;; queued when the nudge due was armed: those below it are older.
+  (tasks '())
+  (tasks-tail '())
   (task-nudge-p nil)
-  (tasks-queued 0 :type fixnum) (tasks-taken 0 :type fixnum) (task-nudge-mark 0 :type fixnum)
-  (tokens-queued 0 :type fixnum) (tokens-taken 0 :type fixnum) (token-nudge-mark 0 :type fixnum)
+  (tasks-queued 0 :type fixnum)
+  (tasks-taken 0 :type fixnum)
+  (task-nudge-mark 0 :type fixnum)
   ;; Functions CALL-SOON was given, newest first, and whether the timer
   ;; that calls them is set; under TASKS-LOCK too.
   (soon-calls '())

@@ -69,8 +69,7 @@ CONNECTION ready, so that the first worker free takes it."
          (cond ((member count '(0 :error))
                 ;; The client has gone, or will send no more: no head to answer.
                 (close-connection set connection))
-               ((and (zerop end) (connection-answered-p connection))
-                (park-until set connection (connection-deadline connection)))
+               ((zerop end) (park-until set connection (connection-deadline connection)))
                (t (wait-for-rest-of-head set connection))))
         (t (refuse-and-close set connection status))))))
 
@@ -85,18 +84,15 @@ what the client has sent since."
      (setf (connection-deadline connection) (+ (get-internal-real-time) (readiness-set-keep-alive-timeout set)))
      (look-at-arrived-head engine set connection))))
 
-(defun note-ready-connection (engine set connection &key token-taken-p)
+(defun note-ready-connection (engine set connection)
   "CONNECTION, taken by the caller, was reported ready while no worker is
-free, or its token taken out of the queue (TOKEN-TAKEN-P).  The rest of a
-reply is sent; for a request, a plain connection is looked at, and a TLS
-one cannot be without reading it, so that it has sent anything counts as
-a request waiting for a worker."
-  (cond ((connection-http2 connection)
-         (unless (eq t (hand-http2-connection-to-a-worker (connection-http2 connection)))
-           (close-connection set connection)))
-        ((or (connection-websocket connection) (connection-event-stream connection))
-         ;; A websocket's frames are read by a worker; what is sent to it,
-         ;; or to an event stream, goes now.
+free.  The rest of a reply is sent; for a request, a plain connection is
+looked at, and a TLS one cannot be without reading it, so that it has sent
+anything counts as a request waiting for a worker."
+  (cond ((or (connection-websocket connection) (connection-event-stream connection)
+             (connection-http2 connection))
+         ;; A websocket's or HTTP/2 connection's frames are read by a
+         ;; worker; what is sent to it, or to an event stream, goes now.
          (park-outbox-or-close set connection))
         ((connection-outgoing connection) (resume-reply-while-saturated engine set connection))
         ((or (connection-arriving-body connection) (connection-handshake connection)
@@ -105,13 +101,7 @@ a request waiting for a worker."
          ;; settled by a worker, under the deadline it was parked with.
          (park-until set connection (connection-deadline connection)))
         ((eql (connection-timeout-status connection) 503)
-         ;; Queued already.  Its token taken out of the queue, or taken by a
-         ;; worker that found it held (:NOTIFIED, TAKE-READY-CONNECTION), it
-         ;; is queued again: no worker looks at the set while tasks wait,
-         ;; and it would wait for the queue timeout.
-         (if (or token-taken-p (eq (connection-state connection) :notified))
-             (queue-for-worker set connection)
-             (park-until set connection (connection-deadline connection))))
+         (park-until set connection (connection-deadline connection)))
         ((plain-connection-p connection) (look-at-arrived-head engine set connection))
         (t (queue-for-worker set connection))))
 
@@ -123,13 +113,12 @@ was doing.")
 
 (defun accept-waiting-connections (engine set)
   "Take up to +ACCEPTS-PER-REPORT+ connections waiting on SET's listening
-socket, which is plain, and look at what each has sent: a whole head
-waits for a worker at once, else it is parked until the rest arrives."
+socket, which is plain, and park them until their heads arrive."
   (loop repeat +accepts-per-report+
         for connection = (when-accepting (set) (accept-new-connection engine set))
         while connection
         do (if (start-connection-stream engine connection)
-               (look-at-arrived-head engine set connection)
+               (wait-for-rest-of-head set connection)
                (close-connection set connection))))
 
 (defconstant +long-listen-wait-seconds+ 2/1000
@@ -164,17 +153,17 @@ does: those wait in the kernel's queue."
       (accept-waiting-connections engine set))
     connection))
 
-(defun sweep-reported-token (engine set token &key token-taken-p)
-  "Take what TOKEN, reported by SET or taken out of the queue for workers
-(TOKEN-TAKEN-P), stands for as a worker would, note what it is and park it
-again.  False when the sweep is to end: stop, or tasks wait for a worker."
+(defun sweep-reported-token (engine set token)
+  "Take what TOKEN, reported by SET or queued for a worker, stands for as a
+worker would, note what it is and park it again.  False when the sweep is
+to end: stop, or tasks wait for a worker."
   (cond ((= token +wakeup-token+) nil)
         ((= token +timer-token+) (run-due-timers set (engine-acceptor engine)) t)
         ((= token +task-token+)
          ;; The connections queued beside the tasks are swept as reported
          ;; ones; the tasks are for workers: reported again at once.
          (dolist (queued (take-queued-tokens set))
-           (sweep-reported-token engine set queued :token-taken-p t))
+           (sweep-reported-token engine set queued))
          (rearm-own-descriptor set +task-token+)
          nil)
         ((= token +listen-token+)
@@ -186,20 +175,14 @@ again.  False when the sweep is to end: stop, or tasks wait for a worker."
          t)
         (t (let ((connection (take-ready-connection set token)))
              (when connection
-               (note-ready-connection engine set connection :token-taken-p token-taken-p)))
+               (note-ready-connection engine set connection)))
            t)))
 
 (defun sweep-while-no-worker-free (engine set)
   "While no worker is free, take what SET reports ready as a worker would and
-note what it is, parking it again, the listening socket of a plain
-acceptor first: behind busy connections in the set's order (an HTTP/2
-client's, whose frames the sweep sends), a new one waited seconds (bench/run
-memory).  Ends when a worker is free, nothing is ready, or every
-connection could have been seen once: what is parked again while ready is
-reported again."
-  (when (and (no-worker-free-p engine) (not (stopping-p set)) (not (readiness-set-accept-paused-p set))
-             (not (hunchentoot:acceptor-ssl-p (engine-acceptor engine))))
-    (accept-waiting-connections engine set))
+note what it is, parking it again.  Ends when a worker is free, nothing is
+ready, or every connection could have been seen once: what is parked again
+while ready is reported again."
   (loop repeat (+ 2 (readiness-set-connection-count set))
         while (and (no-worker-free-p engine) (not (stopping-p set)))
         do (let ((token (epoll-wait-one (readiness-set-epoll-fd set) 0)))

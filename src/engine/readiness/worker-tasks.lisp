@@ -4,13 +4,8 @@
 ;;;; (NEXT-READY-TOKEN), each a connection or the listening socket that any
 ;;;; worker may take up as if the set had reported it to it.
 ;;;;
-;;;; A task waits in the set's queue, tokens before functions: the functions
-;;;; refill themselves (each stream's end begins the next of its
-;;;; connection), and a connection that arrived meanwhile -- GET /yo beside
-;;;; clients of a hundred streams -- waited behind all those queued before
-;;;; it, seconds under CPU-bound handlers (bench/run memory); served first,
-;;;; it waits for one task's end.  Every worker takes tasks from the queue
-;;;; before it waits on the set again (RUN-QUEUED-TASKS), so that the worker that
+;;;; A task waits in the set's queue.  Every worker takes tasks from it before
+;;;; it waits on the set again (RUN-QUEUED-TASKS), so that the worker that
 ;;;; read a connection's streams answers them itself, in order, without waking
 ;;;; another: waking a worker a stream cost more than the stream
 ;;;; (bench/profiles/2026-11-28-http2.txt); and so that the connections one
@@ -27,9 +22,10 @@
 ;;;; fast as it is served, never empty for long; waking a worker each time it
 ;;;; was not was an eventfd written and read, a descriptor armed and a thread
 ;;;; switch every millisecond
-;;;; (bench/profiles/2026-11-29-reply-head-octets.txt).  The counts of each
-;;;; kind queued and taken tell which tasks are older than the nudge: each
-;;;; kind is taken in order (the sweep takes all the tokens at once).  The
+;;;; (bench/profiles/2026-11-29-reply-head-octets.txt).  The counts of tasks
+;;;; queued and taken tell which tasks are older than the nudge: taken in
+;;;; order, but for the tokens the sweep takes out of it, after which the
+;;;; functions left count as the newest, waiting one nudge more at most.  The
 ;;;; eventfd is watched one-shot; the worker it wakes clears it and arms it
 ;;;; again.  While no worker is free the sweep takes the queued tokens instead
 ;;;; (TAKE-QUEUED-TOKENS), as it takes what the set reports.
@@ -67,67 +63,46 @@ worker is woken for them: a task waits at most twice this before one is.")
 (defun queue-worker-tasks (set tasks)
   "Add TASKS, in order, to SET's queue, from any thread; a worker runs each
 (RUN-WORKER-TASK).  A task is a function of the worker's SERVING, or the
-token of a connection or of the listening socket that the set reported,
-taken before every function."
+token of a connection or of the listening socket that the set reported."
   (when tasks
     (let ((nudge-p nil))
       (bt:with-lock-held ((readiness-set-tasks-lock set))
-        (if (integerp (first tasks))
-            (progn (if (readiness-set-tokens set)
-                       (setf (cdr (readiness-set-tokens-tail set)) tasks)
-                       (setf (readiness-set-tokens set) tasks))
-                   (setf (readiness-set-tokens-tail set) (last tasks))
-                   (incf (readiness-set-tokens-queued set) (length tasks)))
-            (progn (if (readiness-set-tasks set)
-                       (setf (cdr (readiness-set-tasks-tail set)) tasks)
-                       (setf (readiness-set-tasks set) tasks))
-                   (setf (readiness-set-tasks-tail set) (last tasks))
-                   (incf (readiness-set-tasks-queued set) (length tasks))))
+        (if (readiness-set-tasks set)
+            (setf (cdr (readiness-set-tasks-tail set)) tasks)
+            (setf (readiness-set-tasks set) tasks))
+        (setf (readiness-set-tasks-tail set) (last tasks))
+        (incf (readiness-set-tasks-queued set) (length tasks))
         (unless (readiness-set-task-nudge-p set)
           (setf (readiness-set-task-nudge-p set) t
-                nudge-p t)
-          (mark-tasks-for-nudge set)))
+                (readiness-set-task-nudge-mark set) (readiness-set-tasks-queued set)
+                nudge-p t)))
       (when nudge-p
         (call-soon set (lambda () (nudge-task-workers set)))))))
-
-(defun mark-tasks-for-nudge (set)
-  "The tasks queued in SET until now count as older than the nudge being
-armed.  TASKS-LOCK held."
-  (setf (readiness-set-task-nudge-mark set) (readiness-set-tasks-queued set)
-        (readiness-set-token-nudge-mark set) (readiness-set-tokens-queued set)))
-
-(defun worker-tasks-waiting-p (set)
-  "True when a task waits in SET's queue; read without the lock, a hint."
-  (or (readiness-set-tokens set) (readiness-set-tasks set)))
 
 (defun nudge-task-workers (set)
   "The nudge: wake a worker for the tasks waiting in SET's queue when one
 queued before the nudge was armed is among them; when only newer ones
 wait, arm the nudge again for them (see above)."
   (case (bt:with-lock-held ((readiness-set-tasks-lock set))
-          (cond ((not (worker-tasks-waiting-p set))
+          (cond ((null (readiness-set-tasks set))
                  (setf (readiness-set-task-nudge-p set) nil))
-                ((or (< (readiness-set-tasks-taken set) (readiness-set-task-nudge-mark set))
-                     (< (readiness-set-tokens-taken set) (readiness-set-token-nudge-mark set)))
+                ((< (readiness-set-tasks-taken set) (readiness-set-task-nudge-mark set))
                  (setf (readiness-set-task-nudge-p set) nil)
                  :held-up)
                 (t
-                 (mark-tasks-for-nudge set)
+                 (setf (readiness-set-task-nudge-mark set) (readiness-set-tasks-queued set))
                  :kept-up)))
     (:held-up (signal-wakeup-fd (readiness-set-task-fd set)))
     (:kept-up (call-soon set (lambda () (nudge-task-workers set))))))
 
 (defun pop-worker-task (set)
-  "The oldest token of SET's queue, else its oldest function, taken, or
-NIL; second value, true when more wait."
+  "The oldest task of SET's queue, taken, or NIL; second value, true when
+more wait."
   (bt:with-lock-held ((readiness-set-tasks-lock set))
-    (let ((task (cond ((readiness-set-tokens set)
-                       (incf (readiness-set-tokens-taken set))
-                       (pop (readiness-set-tokens set)))
-                      ((readiness-set-tasks set)
-                       (incf (readiness-set-tasks-taken set))
-                       (pop (readiness-set-tasks set))))))
-      (values task (and (worker-tasks-waiting-p set) t)))))
+    (let ((task (pop (readiness-set-tasks set))))
+      (when task
+        (incf (readiness-set-tasks-taken set)))
+      (values task (and (readiness-set-tasks set) t)))))
 
 (defun take-woken-task (set)
   "For the worker the task eventfd woke: the oldest task, or NIL when
@@ -144,5 +119,10 @@ again first while more tasks wait, for the next worker."
   "The tokens waiting in SET's queue, oldest first, taken out of it; its
 functions stay."
   (bt:with-lock-held ((readiness-set-tasks-lock set))
-    (setf (readiness-set-tokens-taken set) (readiness-set-tokens-queued set))
-    (shiftf (readiness-set-tokens set) '())))
+    (let ((tokens (remove-if-not #'integerp (readiness-set-tasks set))))
+      (when tokens
+        (let ((functions (delete-if #'integerp (readiness-set-tasks set))))
+          (setf (readiness-set-tasks set) functions
+                (readiness-set-tasks-tail set) (last functions)
+                (readiness-set-tasks-taken set) (- (readiness-set-tasks-queued set) (length functions)))))
+      tokens)))
