@@ -229,10 +229,13 @@ side of the connection."
                                    (sb-bsd-sockets:socket-shutdown (usocket:socket socket) :direction :output)
                                    (cons stream socket)))))
       (unwind-protect
-           (is (= 1000 (count 201 clients :key (lambda (client)
-                                                 (handler-case (read-stream-response (car client))
-                                                   (error () nil)))))
-               "each half-closed TLS client got its reply")
+           (progn
+             (is (= 1000 (count 201 clients :key (lambda (client)
+                                                   (handler-case (read-stream-response (car client))
+                                                     (error () nil)))))
+                 "each half-closed TLS client got its reply")
+             (is (wait-until (lambda () (eql 0 (stats server :open-connections))) :timeout 30)
+                 "then each connection closed by the server: ~D open" (stats server :open-connections)))
         (loop for (stream . socket) in clients
               do (ignore-errors (close stream))
                  (usocket:socket-close socket)))
