@@ -112,9 +112,9 @@ value, and the milliseconds each /yo took (NIL for one not answered)."
 
 (defun run-memory-load (process port name load seconds)
   "Run LOAD, named NAME, against the demo PROCESS on PORT for SECONDS, /yo
-watched: a plist of :NAME, :ALIVE (the process), :PEAK (the heap's, octets), :HELD-AFTER (true
-when the budget held 0 within 10 s), :YO (the milliseconds of each /yo),
-:OUTPUT (the load's last line of figures)."
+watched: a plist of :NAME, :ALIVE (the process), :PEAK (the heap's,
+octets), :HELD-AFTER (true when the budget held 0 within 10 s), :YO (the
+milliseconds of each /yo), :OUTPUT (the load's last line of figures)."
   (demo-stats port :reset-peak t)
   (multiple-value-bind (output times)
       (while-watching-yo port (lambda ()
