@@ -74,11 +74,6 @@ value, and the milliseconds each /yo took (NIL for one not answered)."
     (bt:join-thread thread)
     (values result times)))
 
-(defun percentile (values share)
-  "The value of VALUES (numbers) below which SHARE of them lie."
-  (let ((sorted (sort (copy-list values) #'<)))
-    (and sorted (nth (min (1- (length sorted)) (floor (* share (length sorted)))) sorted))))
-
 (defun held-back-to-zero-p (port)
   "True once the demo's budget holds 0 octets, within 10 s."
   (loop repeat 100
@@ -194,7 +189,8 @@ full collection), :HELD-AFTER and :ALIVE."
         (format out "| ~A | ~:[no~;yes~] | ~:[-~;~:*~D%~] | ~:[no~;yes~] | ~:[-~;~:*~D ms~] | ~:[-~;~:*~D ms~] | ~D of ~D | ~A |~%"
                 (getf result :name) (getf result :alive)
                 (and (getf result :peak) (round (* 100 (getf result :peak)) dynamic-space))
-                (getf result :held-after) (and answered (reduce #'max answered)) (percentile answered 99/100)
+                (getf result :held-after) (and answered (reduce #'max answered))
+                (and answered (percentile (sort (copy-list answered) #'<) 99/100))
                 (count nil (getf result :yo)) (length (getf result :yo)) (getf result :output))))
     (when soak
       (format out "~%The soak, ~D s, all at once (h2load of 5 connections, wrk of 50 br clients, 200 event ~
