@@ -12,22 +12,25 @@
   "The SERVING of the handler calling, whose reply is to be WHAT (\"deferred\",
 \"an event stream\"); signals REPLY-NOT-DEFERRABLE outside a handler of a
 parallel acceptor's request, in a websocket's or an HTTP/2 stream's, or
-once the headers are sent."
+once the headers are sent, noted as the serving's refusal when there is one
+(REPORT-HANDLER-ERROR logs it as its one line)."
   (let ((serving *serving*))
-    (cond ((not (and serving (typep hunchentoot:*acceptor* 'parallel-acceptor) (boundp 'hunchentoot:*request*)
-                     (let ((connection (worker-connection (serving-worker serving))))
-                       (not (and connection (connection-websocket connection))))))
-           (error 'reply-not-deferrable
-                  :reason (format nil "it is made ~A outside a handler of a parallel acceptor's request." what)))
-          ((null (worker-connection (serving-worker serving)))
-           ;; A worker task's: the connection is its holder's.
-           (error (setf (serving-refusal serving)
-                        (make-condition 'reply-not-deferrable
-                                        :reason (format nil "it is made ~A in an HTTP/2 stream's handler, which ~
-this version answers only when the handler returns." what)))))
-          ((headers-sent-p)
-           (error 'reply-not-deferrable :reason "its headers have been sent."))
-          (t serving))))
+    (flet ((refuse (reason)
+             (let ((condition (make-condition 'reply-not-deferrable :reason reason)))
+               (when serving
+                 (setf (serving-refusal serving) condition))
+               (error condition))))
+      (cond ((not (and serving (typep hunchentoot:*acceptor* 'parallel-acceptor) (boundp 'hunchentoot:*request*)
+                       (let ((connection (worker-connection (serving-worker serving))))
+                         (not (and connection (connection-websocket connection))))))
+             (refuse (format nil "it is made ~A outside a handler of a parallel acceptor's request." what)))
+            ((null (worker-connection (serving-worker serving)))
+             ;; A worker task's: the connection is its holder's.
+             (refuse (format nil "it is made ~A in an HTTP/2 stream's handler, which this version answers ~
+only when the handler returns." what)))
+            ((headers-sent-p)
+             (refuse "its headers have been sent."))
+            (t serving)))))
 
 (defun defer-reply (&key (timeout 30) (timeout-status 503) on-client-gone)
   "Inside a handler of a PARALLEL-ACCEPTOR's request: make its reply wait

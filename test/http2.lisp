@@ -286,7 +286,7 @@ the process had."
         (is (wait-until (lambda () (zerop (stats server :open-http2-connections))) :timeout 7)
             "closed by the server while the client still sleeps")
         (is-true (bt:thread-alive-p client) "the client still sleeps")
-        ;; Answered while the client still sleeps: how soon is bench/run http2's.
+        ;; Answered while the client still sleeps (how soon is not timed in a test).
         (is (eql 200 (http-get server "/test/yo")))
         (is-true (bt:thread-alive-p client) "answered while the client still sleeps")
         (bt:join-thread client))

@@ -84,8 +84,8 @@
   ;; reply (START-EVENT-STREAM), or NIL.
   (event-stream nil)
   ;; The engine's refusal of what that handler asked, a REPLY-NOT-DEFERRABLE
-  ;; in an HTTP/2 stream's handler, which a client may make at every
-  ;; request: logged as its one line, without the backtrace; or NIL.
+  ;; (in an HTTP/2 stream's handler a client may make one at every
+  ;; request): logged as its one line, without the backtrace; or NIL.
   (refusal nil)
   ;; The WEBSOCKET-UPGRADE of the request being answered once its
   ;; handshake has been accepted, until the connection becomes the
