@@ -76,6 +76,9 @@ bytes, with acceptors that use it by default."
                (:module "engine/websocket" :serial t :components ((:file "utf-8")
                                                         (:file "frames")
                                                         (:file "handshake")))
+               (:module "access-log" :serial t :components ((:file "access-log-line")
+                                                  (:file "access-log-json")
+                                                  (:file "access-log-batch")))
                (:module "engine/readiness" :serial t :components ((:file "memory-budget")
                                                         (:file "connection")
                                                         (:file "connection-socket")
@@ -107,6 +110,7 @@ bytes, with acceptors that use it by default."
                                                         (:file "statistics")
                                                         (:file "face")))
                (:module "engine/serving" :serial t :components ((:file "serving")
+                                                      (:file "access-log-entries")
                                                       (:file "body-streams")
                                                       (:file "reply-coding")
                                                       (:file "reply-headers")
@@ -182,6 +186,7 @@ thread-pool tests, the readiness engine over the wire, and STOP under load."
                (:file "compression")
                (:file "listening")
                (:file "metrics")
+               (:file "access-log")
                (:file "garbage-input")
                (:file "extension-points")
                (:file "mixin-order")
@@ -257,6 +262,7 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "same-moment")
                (:file "compression")
                (:file "http2")
+               (:file "access-log")
                (:file "memory")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"

@@ -197,8 +197,19 @@ constructors) is in it too, hence asked of the running server."
                           (hrt:taskmaster-statistics *acceptor*)))))
 
 (defun start-hunchentoot (port class &rest initargs)
+  "Start an acceptor of CLASS on 127.0.0.1:PORT, with its access log off
+unless INITARGS say where."
   (setf *acceptor* (ht:start (apply #'make-instance class :address "127.0.0.1" :port port
-                                                          :access-log-destination nil initargs))))
+                                    (append initargs (list :access-log-destination nil))))))
+
+(defclass hunchentoot-logged-easy-acceptor (hrt:parallel-easy-acceptor) ()
+  (:documentation "Ours, with an ACCEPTOR-LOG-ACCESS method of its own, as an
+application that logs differently has: the entry is then Hunchentoot's
+method's, as it was for every acceptor before the engine wrote it."))
+
+(defmethod ht:acceptor-log-access :around ((acceptor hunchentoot-logged-easy-acceptor) &key return-code)
+  (declare (ignore return-code))
+  (call-next-method))
 
 ;;; Portable AllegroServe.
 
@@ -222,12 +233,16 @@ constructors) is in it too, hence asked of the running server."
   ;; 100 is the thread budget Hunchentoot's default taskmaster has.
   (net.aserve:start :host "127.0.0.1" :port port :listeners 100))
 
-(defun start-server (kind port &key reuse-port worker-scheduling-policy compression http2)
+(defun start-server (kind port &key reuse-port worker-scheduling-policy compression http2 access-log
+                                   hunchentoots-access-log)
   (ecase kind
     (:hunchentoot (start-hunchentoot port 'ht:easy-acceptor))
     ((:parallel :parallel-timer)
-     (apply #'start-hunchentoot port 'hrt:parallel-easy-acceptor :reuse-port reuse-port :compression compression
-            :http2 http2
+     (apply #'start-hunchentoot port (if hunchentoots-access-log
+                                         'hunchentoot-logged-easy-acceptor
+                                         'hrt:parallel-easy-acceptor)
+            :reuse-port reuse-port :compression compression
+            :http2 http2 :access-log-destination access-log
             (and worker-scheduling-policy
                  (list :taskmaster (make-instance 'hrt:recycling-taskmaster
                                                   :worker-scheduling-policy worker-scheduling-policy)))))
@@ -245,11 +260,13 @@ Hunchentoot's folder dispatcher, ours, or AllegroServe's directory."
     (:aserve (net.aserve:publish-directory :prefix "/static/" :destination folder))))
 
 (defun serve (kind port &key (delay-ms 0) reuse-port worker-scheduling-policy static-folder
-                             ssl-port ssl-certificate ssl-key ssl-certificates compression http2)
+                             ssl-port ssl-certificate ssl-key ssl-certificates compression http2
+                             access-log hunchentoots-access-log)
   "Start the server KIND on 127.0.0.1:PORT (with SO_REUSEPORT when
 REUSE-PORT, and the taskmaster's WORKER-SCHEDULING-POLICY and the
-acceptor's COMPRESSION and HTTP2 when given, ours only), serving STATIC-FOLDER under
-/static/ when given,
+acceptor's COMPRESSION and HTTP2 when given, ours only; its access log to
+the file ACCESS-LOG, written by Hunchentoot's method when
+HUNCHENTOOTS-ACCESS-LOG), serving STATIC-FOLDER under /static/ when given,
 and serve until killed.  With SSL-PORT, the server (ours or Hunchentoot's)
 also serves TLS there with the SSL-CERTIFICATE and SSL-KEY files (and
 ours SSL-CERTIFICATES by host name), and /pool-stats describes that
@@ -262,7 +279,8 @@ acceptor."
   (when (and (member kind '(:parallel :parallel-timer)) (plusp (length (or (uiop:getenv "PGDATABASE") ""))))
     (setf hrt:*channel-bus* (hrt:make-postgresql-channel-bus)))
   (start-server kind port :reuse-port reuse-port :worker-scheduling-policy worker-scheduling-policy
-                          :compression compression :http2 http2)
+                          :compression compression :http2 http2 :access-log access-log
+                          :hunchentoots-access-log hunchentoots-access-log)
   (when ssl-port
     (apply #'start-hunchentoot ssl-port (if (eq kind :hunchentoot) 'ht:easy-ssl-acceptor 'hrt:parallel-easy-ssl-acceptor)
            :ssl-certificate-file ssl-certificate :ssl-privatekey-file ssl-key

@@ -61,6 +61,10 @@
       (error 'invalid-acceptor-configuration
              :initarg :memory-budget :value bytes
              :reason "must be NIL or an integer of at least 1048576")))
+  (unless (member (acceptor-access-log-format acceptor) '(:hunchentoot :json))
+    (error 'invalid-acceptor-configuration
+           :initarg :access-log-format :value (acceptor-access-log-format acceptor)
+           :reason "must be :HUNCHENTOOT or :JSON"))
   (setf (slot-value acceptor 'compression) (compression-levels (acceptor-compression acceptor)))
   (let ((store (acceptor-session-store acceptor)))
     (unless (typep store '(or null session-store))

@@ -228,6 +228,16 @@ handlers run at once; its further streams wait their turn without a
 worker, so that one client cannot take the pool.  NIL (the default): a
 quarter of the pool's MAX-THREAD-COUNT, at least 1 (25 for the default
 pool), or 16 when the pool has no maximum.")
+   (access-log-format
+    :initarg :access-log-format :reader acceptor-access-log-format
+    :documentation "How the engine writes each entry of the access log:
+:HUNCHENTOOT (the default), Hunchentoot's line, the same octets (a
+client's control characters as \\xHH); :JSON, one JSON object a line
+(access-log/access-log-json.lisp).  Entries go to
+HUNCHENTOOT:ACCEPTOR-ACCESS-LOG-DESTINATION, kept and written together
+within 0.1 s; an application's own HUNCHENTOOT:ACCEPTOR-LOG-ACCESS method
+writes them instead, as on Hunchentoot's acceptor, and this is then not
+read.")
    (own-listen-socket
     :initform nil :accessor acceptor-own-listen-socket
     :documentation "The listening socket this acceptor's START-LISTENING
@@ -260,6 +270,7 @@ or, without one, an IN-PROCESS-SESSIONS (sessions/session-index.lisp)."))
    :listen-fd nil
    :defer-accept t
    :body-buffer-bytes 65536
+   :access-log-format :hunchentoot
    :max-body-bytes (* 64 1024 1024)
    :max-header-bytes 16384
    :max-websocket-message-bytes (* 1024 1024)

@@ -283,3 +283,8 @@ ALLOCATE-INSTANCE, with every field Hunchentoot's session has set."
 START by a client with USER-AGENT and REMOTE-ADDR, under the current
 HUNCHENTOOT:*SESSION-SECRET*."
   (hunchentoot::encode-session-string id user-agent remote-addr start))
+
+(defun access-log-time-text (universal-time)
+  "UNIVERSAL-TIME as Hunchentoot's access log entry writes it (its ISO-TIME:
+local time, to the second)."
+  (hunchentoot::iso-time universal-time))

@@ -61,6 +61,7 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
                    :reply-batch (make-reply-batch set)
                    :acceptor acceptor
                    :http2-p (acceptor-http2-p acceptor)
+                   :access-log-json-p (eq (acceptor-access-log-format acceptor) :json)
                    :max-header-bytes (acceptor-max-header-bytes acceptor)
                    :max-body-bytes (acceptor-max-body-bytes acceptor)
                    :compression (acceptor-compression acceptor)
@@ -73,7 +74,10 @@ not trusted.  A failure to log is dropped, as by LOG-SAFELY."
                    :server-header-octets (and (stringp server-name) (header-text-octets server-name))
                    :counter-stripe (mod (atomic-increment (readiness-set-counting-workers set))
                                         +request-count-stripes+)
-                   :requests-in-progress-location (requests-in-progress-location acceptor))))
+                   :requests-in-progress-location (requests-in-progress-location acceptor)
+                   :schedule-log-write (lambda (function)
+                                         (schedule-timer (readiness-set-timers set)
+                                                         +access-log-flush-milliseconds+ function)))))
 
 (defmethod engine-run-worker ((engine readiness-engine) worker)
   (let* ((set (engine-readiness-set engine))
@@ -208,7 +212,8 @@ holding the most closed until less than ~D% of it is used."
     (sweep-while-no-worker-free engine set)
     (close-expired-connections set)
     (tend-memory-budget engine set)
-    (resume-accepting set)))
+    (resume-accepting set)
+    (write-overdue-access-logs (engine-acceptor engine))))
 
 (defmethod engine-statistics ((engine readiness-engine))
   (append (readiness-statistics (engine-readiness-set engine) (engine-counters engine))
@@ -240,11 +245,13 @@ Returns the count of certificates loaded again."
 
 (defun end-engine-run (engine close-connections)
   "End ENGINE's run: its connections closed by CLOSE-CONNECTIONS (called
-with the set), its set destroyed, its certificates freed."
+with the set), its set destroyed with the timers that would have written
+the access log entries kept (written here), its certificates freed."
   (let ((set (shiftf (engine-readiness-set engine) nil)))
     (when set
       (funcall close-connections set)
       (destroy-readiness-set set)))
+  (write-every-access-log (engine-acceptor engine))
   (free-engine-certificates engine))
 
 (defmethod engine-finish ((engine readiness-engine))

@@ -265,6 +265,12 @@ requests in flight)."
       (progn (setf (worker-state worker) :serving) nil)
       t))
 
+(defun request-microseconds-so-far (worker)
+  "The microseconds since WORKER started the request it is in, or NIL when
+it is in none (it completes a reply a request deferred, say)."
+  (and (eq (worker-state worker) :in-request)
+       (max 0 (- (monotonic-microseconds) (worker-request-started worker)))))
+
 (defun note-request-finished (taskmaster worker &key answered)
   "WORKER is out of its request: ANSWERED, or left by an error.  The
 microseconds the request took."

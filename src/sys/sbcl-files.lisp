@@ -76,3 +76,20 @@ NIL when it names nothing."
                    namestring (sb-alien:cast resolved (* sb-alien:char)))))
       (unless (zerop (sb-sys:sap-int result))
         (sb-alien:cast resolved sb-alien:c-string)))))
+
+(defun append-octets-to-file (namestring octets end)
+  "Append the OCTETS below END to the file NAMESTRING, created when it is
+not there, opened for this call alone: whatever the name means now (a log
+file renamed away is followed by a new one).  NIL once all are written,
+else the system's words for what failed."
+  (multiple-value-bind (fd errno)
+      (sb-unix:unix-open namestring (logior sb-unix:o_wronly sb-unix:o_append sb-unix:o_creat +sock-cloexec+) #o666)
+    (if (null fd)
+        (sb-int:strerror errno)
+        (unwind-protect
+             (loop with start = 0
+                   while (< start end)
+                   do (multiple-value-bind (count errno) (sb-unix:unix-write fd octets start (- end start))
+                        (cond (count (incf start count))
+                              ((/= errno +eintr+) (return (sb-int:strerror errno))))))
+          (sb-unix:unix-close fd)))))

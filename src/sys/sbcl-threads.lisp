@@ -1,5 +1,5 @@
-;;;; Every use of SBCL's thread internals (sb-thread, sb-sys, sb-ext atomics)
-;;;; lives in this file, so that the next SBCL breaks in one place.
+;;;; Every use of SBCL's thread internals (sb-thread, sb-sys, sb-ext atomics
+;;;; and exit hooks) lives in this file, so that the next SBCL breaks in one place.
 ;;;; bordeaux-threads 0.8.8 has no broadcast, no timed join and no atomics.
 
 (in-package #:hunchentoot-recycling-taskmaster)
@@ -86,3 +86,9 @@ kernel took it."
             (sb-alien:extern-alien "sched_setscheduler"
                                    (function sb-alien:int sb-alien:int sb-alien:int (* sb-alien:int)))
             0 (ecase policy (:batch +sched-batch+) (:other +sched-other+)) (sb-alien:addr priority)))))
+
+(defun call-at-exit (function-name)
+  "Have the function FUNCTION-NAME called when the process exits by
+SB-EXT:EXIT (SIGTERM's default, the end of a script), after the main
+thread has unwound; once however often this is asked."
+  (pushnew function-name sb-ext:*exit-hooks*))

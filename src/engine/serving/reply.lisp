@@ -14,18 +14,14 @@
 (in-package #:hunchentoot-recycling-taskmaster)
 
 (defmethod hunchentoot:acceptor-log-access :around ((acceptor parallel-acceptor) &key return-code)
-  "The access log entry, written as the methods below write it, just before
-the reply; one that fails costs its entry and a line in the message log,
-never the reply.  Hunchentoot's own fails on a client's Authorization
-header whose Basic credentials are not base64 (HUNCHENTOOT:AUTHORIZATION
-signals), and on its own acceptor that request then goes unanswered."
-  (handler-case (call-next-method)
-    (error (condition)
-      (log-safely acceptor :warning "No access log entry for the ~D reply to ~A: ~A"
-                  return-code
-                  (and (boundp 'hunchentoot:*request*) hunchentoot:*request*
-                       (hunchentoot:remote-addr hunchentoot:*request*))
-                  condition))))
+  "The access log entry, written by the engine when Hunchentoot's method is
+the only one (WRITE-ACCESS-LOG-ENTRY: the same entry), else by the methods
+below; one that fails costs its entry and a line in the message log, never
+the reply (NOTING-ACCESS-LOG-FAILURE)."
+  (noting-access-log-failure (acceptor return-code)
+    (if (engine-writes-access-log-p acceptor)
+        (write-access-log-entry acceptor return-code)
+        (call-next-method))))
 
 (defvar *ascii-compatible-format* (list nil nil)
   "The last external format ASCII-COMPATIBLE-FORMAT-P was asked about, and

@@ -18,9 +18,11 @@
   ;; The acceptor's settings the request cycle reads at every request,
   ;; asked once a run as the buffer's size is (HEAD-BUFFER-BYTES): each
   ;; was a generic call a request (bench/profiles/2026-12-04-settings-a-run.txt).
-  ;; ACCEPTOR-HTTP2-P, ACCEPTOR-MAX-HEADER-BYTES, ACCEPTOR-MAX-BODY-BYTES
-  ;; and ACCEPTOR-COMPRESSION.
+  ;; ACCEPTOR-HTTP2-P, whether ACCEPTOR-ACCESS-LOG-FORMAT is :JSON,
+  ;; ACCEPTOR-MAX-HEADER-BYTES, ACCEPTOR-MAX-BODY-BYTES and
+  ;; ACCEPTOR-COMPRESSION.
   (http2-p nil :read-only t)
+  (access-log-json-p nil :read-only t)
   (max-header-bytes 0 :type fixnum :read-only t)
   (max-body-bytes nil :read-only t)
   (compression nil :type list :read-only t)
@@ -68,6 +70,14 @@
   ;; HUNCHENTOOT:ACCEPTOR-LOG-ACCESS's methods list it was given for.
   (access-log-methods nil)
   (access-log-answer nil)
+  ;; The REPLY-HEAD access log entries are built in; the last destination
+  ;; an entry was written to and its ACCESS-LOG (FIND-ACCESS-LOG).
+  (log-entry (make-reply-head) :type reply-head :read-only t)
+  (access-log-destination nil)
+  (access-log nil)
+  ;; A function of a function, called within +ACCESS-LOG-FLUSH-MILLISECONDS+
+  ;; by a worker of the set.
+  (schedule-log-write nil :type function :read-only t)
   ;; PLAIN-HEADER-METHODS-P's last answer, and the methods lists of (SETF
   ;; HUNCHENTOOT:HEADER-OUT) and HUNCHENTOOT:HEADERS-OUT it was given for.
   (header-setter-methods nil)
@@ -119,40 +129,6 @@ is its acceptor."
     (if (and serving (eq acceptor (serving-acceptor serving)))
         (serving-compression serving)
         (acceptor-compression acceptor))))
-
-(defun default-access-log-p (acceptor)
-  "True when the only HUNCHENTOOT:ACCEPTOR-LOG-ACCESS methods for ACCEPTOR
-are Hunchentoot's, which writes nothing while the access log destination is
-NIL, and this library's :AROUND."
-  (let ((generic-function #'hunchentoot:acceptor-log-access))
-    (equal (applicable-methods generic-function (class-of acceptor))
-           (list (find-method generic-function '(:around) (list (find-class 'parallel-acceptor)))
-                 (find-method generic-function '() (list (find-class 'hunchentoot:acceptor)))))))
-
-(defun serving-access-log-default-p (serving acceptor)
-  "DEFAULT-ACCESS-LOG-P of ACCEPTOR, SERVING's, asked again only when a
-method is added or removed: a method defined at the REPL on a running
-server is called from its next request on, as on Hunchentoot's acceptor.
-Kept by each worker, so that acceptors of two classes in one process (HTTP
-and HTTPS) never ask it anew at each request."
-  (let ((methods (generic-function-methods-list #'hunchentoot:acceptor-log-access)))
-    (if (eq methods (serving-access-log-methods serving))
-        (serving-access-log-answer serving)
-        (setf (serving-access-log-methods serving) methods
-              (serving-access-log-answer serving) (default-access-log-p acceptor)))))
-
-(defun log-access (return-code)
-  "Write the access log entry of the reply RETURN-CODE through
-HUNCHENTOOT:ACCEPTOR-LOG-ACCESS, unless that would write nothing: the
-acceptor's destination is NIL and it logs access as Hunchentoot does
-(DEFAULT-ACCESS-LOG-P).  The call would cons its keyword arguments for
-nothing, 32 bytes a request (bench/profiles/2026-11-28-per-core.txt)."
-  (let ((acceptor hunchentoot:*acceptor*))
-    (unless (and (null (hunchentoot:acceptor-access-log-destination acceptor))
-                 (if *serving*
-                     (serving-access-log-default-p *serving* acceptor)
-                     (default-access-log-p acceptor)))
-      (hunchentoot:acceptor-log-access acceptor :return-code return-code))))
 
 (defun plain-streams-reset-p (acceptor)
   "False when the only HUNCHENTOOT:RESET-CONNECTION-STREAM method for
