@@ -27,6 +27,7 @@
 # make bench-compression  a 10 KiB page with gzip offered, ours and nginx at level 1; ours with zstd and br
 # make bench-waits       the 1 ms handler cells: ours sleeping, ours deferring its reply to its timer, nginx's echo_sleep
 # make bench-access-log  GET /yo kept alive over HTTP/1.1 and h2c, ours and nginx with their access log off and to a file
+# make bench-production  ours as the demo runs (access log, gzip, HTTP/2, TLS) against nginx configured the same
 # make bench-memory      the demo against 1 MB replies over h2c and HTTP/1.1, then everything at once for 10 minutes
 # Each target installs the Debian packages it needs first (make deps).
 
@@ -63,7 +64,7 @@ BENCH_PACKAGES = wrk nginx-light libnginx-mod-http-echo cl-aserve gnuplot-nox pr
                  libev4 cl-utilities cl-babel cl-trivial-utf-8 cl-split-sequence cl-trivial-features \
                  cl-trivial-gray-streams cl-alexandria cl-global-vars cl-trivial-garbage
 
-.PHONY: deps test-deps bench-deps sbcl-current run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-applications bench-https bench-websockets bench-threaded-floor bench-scheduling bench-waits bench-events bench-per-core bench-same-moment bench-compression bench-http2 bench-access-log bench-memory
+.PHONY: deps test-deps bench-deps sbcl-current run test bench bench-quick bench-compare bench-connections bench-slowloris bench-slow-readers bench-slow-bodies bench-tls-handshakes bench-scale bench-chunked-body bench-sessions bench-applications bench-https bench-websockets bench-threaded-floor bench-scheduling bench-waits bench-events bench-per-core bench-same-moment bench-compression bench-http2 bench-access-log bench-production bench-memory
 
 deps:
 	@tools/install-deps.sh $(LIBRARY_PACKAGES)
@@ -159,6 +160,9 @@ bench-http2: bench-deps
 
 bench-access-log: bench-deps
 	bench/run access-log
+
+bench-production: bench-deps
+	bench/run production
 
 bench-memory: bench-deps
 	bench/run memory

@@ -263,6 +263,7 @@ the wrk matrix that measures them, and the many-connection loads."
                (:file "compression")
                (:file "http2")
                (:file "access-log")
+               (:file "production")
                (:file "memory")))
 
 (defsystem "hunchentoot-recycling-taskmaster/demo"

@@ -269,8 +269,8 @@ the file ACCESS-LOG, written by Hunchentoot's method when
 HUNCHENTOOTS-ACCESS-LOG), serving STATIC-FOLDER under /static/ when given,
 and serve until killed.  With SSL-PORT, the server (ours or Hunchentoot's)
 also serves TLS there with the SSL-CERTIFICATE and SSL-KEY files (and
-ours SSL-CERTIFICATES by host name), and /pool-stats describes that
-acceptor."
+ours SSL-CERTIFICATES by host name, HTTP2, COMPRESSION and ACCESS-LOG as the
+plain port), and /pool-stats describes that acceptor."
   (if (eq kind :parallel-timer)
       (setf *timer-delay* (and (plusp delay-ms) delay-ms))
       (setf *handler-delay* (and (plusp delay-ms) (/ delay-ms 1000))))
@@ -285,5 +285,8 @@ acceptor."
     (apply #'start-hunchentoot ssl-port (if (eq kind :hunchentoot) 'ht:easy-ssl-acceptor 'hrt:parallel-easy-ssl-acceptor)
            :ssl-certificate-file ssl-certificate :ssl-privatekey-file ssl-key
            (append (and ssl-certificates (list :ssl-certificates ssl-certificates))
-                   (and http2 (list :http2 t)))))
+                   (and http2 (list :http2 t))
+                   (and (not (eq kind :hunchentoot))
+                        (append (and compression (list :compression compression))
+                                (and access-log (list :access-log-destination access-log)))))))
   (loop (sleep 3600)))
