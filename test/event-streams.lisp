@@ -318,3 +318,19 @@ any client reads.  The number of publishes that reached every stream."
       (send-event (newest-stream) "to nobody")
       (is (wait-until (lambda () (eql 0 (stats server :open-event-streams))))
           "closed once its client is gone"))))
+
+(test event-stream.a-deferred-reply-after-event-streams-is-its-own
+  ;; A worker whose last handler had started an event stream sent the
+  ;; next deferred reply it completed as that stream's head (200,
+  ;; text/event-stream, no body) in place of the reply.
+  (with-server (server (event-server))
+    (dotimes (trial 5)
+      (dolist (socket (loop repeat 20 collect (open-event-stream server "/test/events")))
+        (when socket
+          (usocket:socket-close socket)))
+      (dotimes (i 8)
+        (with-connection (socket server)
+          (send-text socket (crlf-lines "GET /test/deferred/timer?ms=100 HTTP/1.1" "Host: x" ""))
+          (multiple-value-bind (status body head) (read-response socket :timeout 3)
+            (is (and (eql 201 status) (equal "waited 100 ms" body))
+                "trial ~D, wait ~D: ~S ~S ~S" trial i status body head)))))))

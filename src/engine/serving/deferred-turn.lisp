@@ -14,10 +14,10 @@ on CONNECTION, and count it as answered since DEFERRED-AT.  What follows:
   (let ((stream (connection-stream connection))
         (outcome :close))
     (with-request-bindings ()
-      (setf (current-connection-stream) stream
-            (serving-reply-connection serving) (and (plain-connection-p connection) connection)
-            (serving-reply-sent-p serving) nil
-            (serving-upgrade serving) nil)
+      (setf (current-connection-stream) stream)
+      ;; The worker's last request may have started an event stream, whose
+      ;; head this reply would otherwise be sent as.
+      (begin-request-state serving (and (plain-connection-p connection) connection))
       (unwind-protect
            (let ((hunchentoot:*request* request)
                  (hunchentoot:*reply* reply)

@@ -44,13 +44,8 @@ when the pool is stopping."
     (unwind-protect
          (with-connection-bindings ()
            (with-request-bindings ()
-             (setf (current-connection-stream) reply
-                   (serving-reply-connection serving) nil
-                   (serving-reply-sent-p serving) nil
-                   (serving-upgrade serving) nil
-                   (serving-deferred serving) nil
-                   (serving-event-stream serving) nil
-                   (serving-refusal serving) nil)
+             (setf (current-connection-stream) reply)
+             (begin-request-state serving nil)
              (let* ((reply-object (make-reply (serving-constructors serving)
                                               (serving-plain-header-methods-p serving)))
                     (hunchentoot:*reply* reply-object)

@@ -88,13 +88,7 @@ began)."
                                 (return-from answer-request (values :refuse refusal)))))))
            (when continue-p
              (send-continue-reply stream))
-           (setf (serving-reply-connection serving)
-                 (and (not chunked-p) (plain-connection-p connection) connection)
-                 (serving-reply-sent-p serving) nil
-                 (serving-upgrade serving) nil
-                 (serving-deferred serving) nil
-                 (serving-event-stream serving) nil
-                 (serving-refusal serving) nil)
+           (begin-request-state serving (and (not chunked-p) (plain-connection-p connection) connection))
            (with-request-bindings ()
              (setf (current-connection-stream) (if chunked-p content-stream stream))
              (let ((reply (make-reply (serving-constructors serving)

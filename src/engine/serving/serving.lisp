@@ -117,6 +117,18 @@ was agreed, else NIL."
 (defvar *serving* nil
   "In a worker of the readiness engine, its SERVING; NIL elsewhere.")
 
+(defun begin-request-state (serving reply-connection)
+  "Forget what the worker's last request left on SERVING -- its upgrade,
+deferred reply, event stream, refusal, and whether its reply was sent --
+before a request is answered or a deferred reply is sent: each reply
+depends on its own request alone.  REPLY-CONNECTION: see the slot."
+  (setf (serving-reply-connection serving) reply-connection
+        (serving-reply-sent-p serving) nil
+        (serving-upgrade serving) nil
+        (serving-deferred serving) nil
+        (serving-event-stream serving) nil
+        (serving-refusal serving) nil))
+
 (defun head-buffer-bytes (acceptor)
   "A worker's buffer takes the largest head allowed, with room to spare for
 pipelined requests."
