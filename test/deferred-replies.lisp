@@ -240,3 +240,73 @@ side of the connection."
               do (ignore-errors (close stream))
                  (usocket:socket-close socket)))
       (is (wait-until (lambda () (eql 0 (stats server :deferred-replies))))))))
+
+(test deferred-reply.over-http2
+  ;; On an HTTP/2 stream as on HTTP/1.1: completed by the timer or another
+  ;; thread, answered at its timeout, 500 when its handler fails after
+  ;; deferring; over h2c and h2.
+  (dolist (make-server (list #'http2-server #'http2-ssl-server))
+    (with-server (server (funcall make-server :taskmaster (make-instance 'recycling-taskmaster
+                                                                         :standby-thread-count 2
+                                                                         :max-thread-count 4 :stop-timeout 5)))
+      (let ((protocol (if (ht:acceptor-ssl-p server) :h2 :h2c)))
+        (multiple-value-bind (status headers body) (curl-reply (url server "/test/deferred/timer?ms=50") protocol)
+          (is (equal '(201 "yes" "waited 50 ms")
+                     (list status (cdr (assoc "x-waited" headers :test #'string=)) body))
+              "~A: ~S ~S ~S" protocol status headers body))
+        (is (equal '(200 "from a thread")
+                   (multiple-value-bind (status headers body) (curl-reply (url server "/test/deferred/thread") protocol)
+                     (declare (ignore headers))
+                     (list status body))))
+        (is (eql 504 (curl-reply (url server "/test/deferred/never?status=504") protocol)))
+        (is (null (complete-reply *last-deferred* :body "late")))
+        (is (eql 500 (curl-reply (url server "/test/deferred/then-error") protocol)))
+        (is (null (complete-reply *last-deferred* :body "too late")))
+        (is (eql 1 (stats server :deferred-reply-timeouts)))
+        (is (wait-until (lambda () (eql 0 (stats server :deferred-replies)))) "none left counted")))))
+
+(test deferred-reply.many-on-http2-hold-no-worker
+  ;; 1,000 streams on 10 connections wait at once, with the pool's standby
+  ;; workers only; every one answered.
+  (with-server (server (http2-server :taskmaster (make-instance 'recycling-taskmaster :standby-thread-count 2
+                                                                                     :max-thread-count 4)))
+    (let* ((join (in-thread (lambda () (h2load (url server "/test/deferred/timer?ms=2000")
+                                               "-n" "1000" "-c" "10" "-m" "100")))))
+      (is (wait-until (lambda () (eql 1000 (stats server :deferred-replies))) :timeout 30)
+          "1,000 waiting at once: ~D" (stats server :deferred-replies))
+      (is (<= (stats server :threads) 4) "~D workers" (stats server :threads))
+      (destructuring-bind (succeeded failed seconds) (funcall join)
+        (declare (ignore seconds))
+        (is (eql 1000 succeeded) "~D answered, ~D failed" succeeded failed)))
+    (is (wait-until (lambda () (eql 0 (stats server :deferred-replies)))))))
+
+(test deferred-reply.on-http2-client-gone-noticed
+  ;; A client that hangs up while its stream's reply is deferred: the reply
+  ;; settled :GONE and its ON-CLIENT-GONE called.
+  (with-server (server (http2-server))
+    (let ((calls *client-gone-calls*))
+      (setf *last-deferred* nil)
+      (uiop:run-program (list "curl" "-s" "--http2-prior-knowledge" "-m" "0.3" (url server "/test/deferred/never"))
+                        :ignore-error-status t)
+      (is (wait-until (lambda () (and *last-deferred* (reply-client-gone-p *last-deferred*))) :timeout 5))
+      (is (wait-until (lambda () (= (1+ calls) *client-gone-calls*)) :timeout 5))
+      (is (null (complete-reply *last-deferred* :body "nobody there")))
+      (is (wait-until (lambda () (eql 1 (stats server :deferred-clients-gone)))))
+      (is (wait-until (lambda () (eql 0 (stats server :deferred-replies))))))))
+
+(test deferred-reply.on-http2-waits-past-the-read-timeout-and-a-soft-stop-waits-for-it
+  ;; Its stream open and no handler running, its connection is held for
+  ;; the reply's own timeout, not the connection's read timeout; a soft
+  ;; STOP sends it before it stops, as on HTTP/1.1.
+  (with-server (server (http2-server :read-timeout 1 :write-timeout 1))
+    (is (equal '(201 "waited 2000 ms")
+               (multiple-value-bind (status headers body) (curl-reply (url server "/test/deferred/timer?ms=2000") :h2c)
+                 (declare (ignore headers))
+                 (list status body)))))
+  (let ((server (http2-server)))
+    (ht:start server)
+    (let ((reply (in-thread (lambda () (curl-reply (url server "/test/deferred/timer?ms=300") :h2c)))))
+      (is (wait-until (lambda () (eql 1 (stats server :deferred-replies)))))
+      (ht:stop server :soft t)
+      (is (eql 201 (first (funcall reply))) "answered before the stop"))
+    (is (not (ht:started-p server)))))

@@ -194,14 +194,15 @@ ABANDON-ACCEPTOR, once the threads that held them are gone."
 
 (defun unfinished-connection-count (set)
   "Connections in SET's table none of whose requests has been answered yet,
-or whose reply is deferred or not sent whole yet."
+or whose reply (or an HTTP/2 stream's) is deferred or not sent whole yet."
   (count-if (lambda (connection)
               (and connection
                    (or (not (connection-answered-p connection))
                        (connection-outgoing connection)
                        (connection-deferred connection)
                        (let ((http2 (connection-http2 connection)))
-                         (and http2 (plusp (http2-connection-running http2)))))
+                         (and http2 (or (plusp (http2-connection-running http2))
+                                        (plusp (http2-connection-held http2))))))
                    (not (eq (connection-state connection) :closed))))
             (readiness-set-slots set)))
 

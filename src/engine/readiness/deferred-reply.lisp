@@ -16,6 +16,11 @@
 ;;;; or the sweep at the deadline, which finds OUTCOME set and parks it for
 ;;;; output instead of answering (END-PARKED-CONNECTION).  Only a holder
 ;;;; detaches the record from its connection.
+;;;;
+;;;; An HTTP/2 stream's deferred reply has no connection of its own: its
+;;;; stream stays open, a timer answers its timeout, the stream's close
+;;;; settles it :GONE, and a worker task sends it (http2-reply.lisp,
+;;;; src/deferred-replies.lisp).
 
 (in-package #:hunchentoot-recycling-taskmaster)
 
@@ -29,7 +34,11 @@
 
 (defstruct (deferred-reply (:constructor %make-deferred-reply))
   "A reply deferred by its handler, its connection waiting for it."
+  ;; The connection, or NIL for an HTTP/2 stream's reply: then its
+  ;; HTTP2-REPLY-STREAM, and the timer that answers it at its timeout.
   (connection nil :read-only t)
+  (http2-reply nil :read-only t)
+  (timer nil)
   (set nil :read-only t)
   ;; The acceptor, request, reply and session of the handler, bound again
   ;; when the reply is sent.

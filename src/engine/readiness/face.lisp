@@ -207,11 +207,15 @@ its handler; an error escaping it is logged."
           (error (condition)
             (log-safely acceptor :error "Error in the ON-CLIENT-GONE of a deferred reply: ~A" condition)))))))
 
-(defun abandon-held-reply (set connection)
+(defun abandon-held-reply (set connection &optional deferred)
   "The handler that deferred CONNECTION's reply, or made it an event
 stream, failed afterwards: the reply is answered as the failure says, and
-the record, detached, can no longer be completed or sent to."
-  (cond ((connection-deferred connection)
+the record, detached, can no longer be completed or sent to.  With no
+CONNECTION, the handler was an HTTP/2 stream's, which deferred DEFERRED."
+  (cond ((null connection)
+         (when (settle-deferred-reply-outcome deferred :abandoned)
+           (ended-http2-deferred-reply deferred)))
+        ((connection-deferred connection)
          (settle-deferred-reply-outcome (connection-deferred connection) :abandoned)
          (detach-deferred-reply set connection))
         ((connection-event-stream connection)

@@ -72,6 +72,9 @@ small the budget.")
   ;; of what the others answered is deferred (FINISH-HTTP2-HANDLER).
   (queued 0 :type word)
   (flush-pending-p nil)
+  ;; Its streams whose reply their handler deferred, waiting for it
+  ;; without a worker (MAKE-HTTP2-DEFERRED-REPLY).
+  (held 0 :type word)
   ;; Internal time units: idle with no stream open, then with streams
   ;; open whose requests do not arrive.
   (keep-alive-timeout 0 :type fixnum :read-only t)
@@ -178,12 +181,14 @@ quarter of the way to it."
 
 (defun http2-deadline (connection)
   "When CONNECTION, about to park, is next looked at without its client:
-the write timeout while frames wait; none while its handlers run; else
+the write timeout while frames wait; none while its handlers run or its
+deferred replies wait (each has its own timeout); else
 the read timeout from its last activity while streams are open, the
 keep-alive timeout when none is."
   (let ((now (get-internal-real-time)))
     (cond ((http2-connection-queue connection) (outbox-write-deadline connection now))
-          ((plusp (http2-connection-running connection)) most-positive-fixnum)
+          ((or (plusp (http2-connection-running connection)) (plusp (http2-connection-held connection)))
+           most-positive-fixnum)
           ((plusp (http2-session-open-stream-count (http2-connection-session connection)))
            (+ (http2-connection-last-active connection) (http2-connection-read-timeout connection)))
           (t (+ (http2-connection-last-active connection) (http2-connection-keep-alive-timeout connection))))))
@@ -236,8 +241,8 @@ descriptor could not be armed."
 
 (defun http2-deadline-reached (connection)
   "CONNECTION's socket, held by the caller, was parked until a deadline
-that has passed: parked again while its handlers run or its client takes
-what is sent; else :CLOSE after a GOAWAY (which a full socket may not
+that has passed: parked again while its handlers run, its deferred
+replies wait or its client takes what is sent; else :CLOSE after a GOAWAY (which a full socket may not
 take): counted as a write timeout when its client took nothing of what
 waits, or let its replies wait on flow control; as idle when it was."
   (let ((holder (http2-connection-connection connection))
@@ -252,7 +257,8 @@ waits, or let its replies wait on flow control; as idle when it was."
              (if (client-took-octets-p holder)
                  (park-http2-connection connection)
                  (close-for :slow-reader)))
-            ((plusp (http2-connection-running connection)) (park-http2-connection connection))
+            ((or (plusp (http2-connection-running connection)) (plusp (http2-connection-held connection)))
+             (park-http2-connection connection))
             ((plusp (http2-connection-reply-octets connection)) (close-for :slow-reader))
             (t (close-for :idle))))))
 

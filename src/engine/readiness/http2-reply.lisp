@@ -71,6 +71,9 @@ connection is parked (SERVE-OUTBOX-OUTPUT), else by its holder."
 (defun make-http2-reply-stream (connection stream)
   (make-instance 'http2-reply-stream :reply (make-http2-reply connection stream)))
 
+(defun http2-reply-stream-p (object)
+  (typep object 'http2-reply-stream))
+
 (defmethod stream-element-type ((stream http2-reply-stream))
   '(unsigned-byte 8))
 
@@ -249,3 +252,34 @@ body.  Its status (500 when nothing was written)."
             (t (queue-reply-buffer reply)
                (end-http2-reply-body (http2-reply-session reply) (http2-reply-stream reply)))))
     (or (http2-reply-status reply) 500)))
+
+;;; A reply its handler deferred (src/deferred-replies.lisp): the stream
+;;; stays open without a worker, its connection parked with no deadline of
+;;; its own (HTTP2-DEADLINE), until a worker sends the reply.
+
+(defun make-http2-deferred-reply (set reply-stream acceptor request reply session timeout timeout-status
+                                  on-client-gone time-out)
+  "Make the reply to REQUEST, written to REPLY-STREAM (an HTTP2-REPLY-STREAM), a
+DEFERRED-REPLY whose timer calls TIME-OUT, a function of it, after TIMEOUT
+seconds; returns it.  Its stream stays open, with no worker, until it is
+settled; it is counted among SET's deferred replies and its connection's
+held ones until ENDED-HTTP2-DEFERRED-REPLY."
+  (atomic-increment (readiness-set-deferred-count set))
+  (atomic-increment (http2-connection-held (http2-reply-connection (reply-stream-reply reply-stream))))
+  (let ((deferred (%make-deferred-reply :http2-reply reply-stream :set set :acceptor acceptor
+                                        :request request :reply reply :session session
+                                        :deadline (+ (get-internal-real-time) (seconds->internal-units timeout))
+                                        :timeout-status timeout-status :on-client-gone on-client-gone
+                                        :deferred-at (monotonic-microseconds))))
+    (setf (deferred-reply-timer deferred)
+          (schedule-timer (readiness-set-timers set) (* 1000 timeout) (lambda () (funcall time-out deferred))))
+    deferred))
+
+(defun ended-http2-deferred-reply (deferred)
+  "DEFERRED, an HTTP/2 stream's, has been answered or given up: its timer
+cancelled, no more counted among its set's deferred replies and its
+connection's held ones.  Called once."
+  (cancel-timer (deferred-reply-timer deferred))
+  (atomic-decrement (http2-connection-held (http2-reply-connection
+                                            (reply-stream-reply (deferred-reply-http2-reply deferred)))))
+  (atomic-decrement (readiness-set-deferred-count (deferred-reply-set deferred))))

@@ -105,11 +105,22 @@ memory budget, and wake makers waiting for room."
 
 (defun note-http2-stream-closed (session stream)
   "STREAM of SESSION has closed: what it held given back, its id kept
-among those closed lately."
+among those closed lately, its ON-CLOSE called."
   (drop-http2-reply session stream)
+  (let ((on-close (shiftf (http2-stream-on-close stream) nil)))
+    (when on-close
+      (funcall on-close)))
   (let ((next (http2-session-closed-ids-next session)))
     (setf (aref (http2-session-closed-ids session) next) (http2-stream-id stream)
           (http2-session-closed-ids-next session) (mod (1+ next) +http2-closed-ids-kept+))))
+
+(defun watch-http2-stream-close (session stream function)
+  "Have FUNCTION called as STREAM of SESSION closes (its ON-CLOSE): true;
+false, nothing kept, when it has closed already.  Takes the lock."
+  (bt:with-lock-held ((http2-session-lock session))
+    (unless (eq (http2-stream-state stream) :closed)
+      (setf (http2-stream-on-close stream) function)
+      t)))
 
 (defun stream-opened-out-of-order-p (session stream-id)
   "True when a HEADERS frame naming STREAM-ID, a client's stream, opens one

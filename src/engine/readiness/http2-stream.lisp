@@ -55,7 +55,11 @@ size (RFC 9113 6.5.2, SETTINGS_MAX_HEADER_LIST_SIZE).")
   (reply-ended-p nil)
   ;; True while the library waits for more of the body (its read found
   ;; none): the next octets or the end resume it.
-  (reply-deferred-p nil))
+  (reply-deferred-p nil)
+  ;; A function of no argument called once as the stream closes, with the
+  ;; session's lock held (it must neither wait nor call the session): the
+  ;; reply its handler deferred learns that its client is gone.  Or NIL.
+  (on-close nil))
 
 (defun add-request-header (stream name value)
   "Add the header NAME: VALUE (octets) to STREAM's head."

@@ -209,7 +209,7 @@ running BODY when SESSION has been freed."
     (loop for stream being the hash-values of (http2-session-streams session)
           do (drop-http2-stream-body stream (http2-session-budget session))
              (setf (http2-stream-state stream) :closed)
-             (drop-http2-reply session stream))
+             (note-http2-stream-closed session stream))
     (clrhash (http2-session-streams session))
     (%nghttp2-session-del (shiftf (http2-session-pointer session) (cffi:null-pointer)))))
 

@@ -18,7 +18,8 @@
 line's LF at REQUEST-LINE-END, ending at HEAD-END, then the body -- made on
 ACCEPTOR for a connection with ADDRESSES, writing its reply to REPLY.  A
 head the parser refuses is answered as on HTTP/1.1; 503 when the pool is
-stopping."
+stopping.  :HELD when its handler deferred the reply, which is then sent
+by whoever completes it."
   (let ((server-name (serving-server-header-value serving)))
     (flet ((refuse (status)
              (write-sequence (head-error-reply status server-name 1) reply)))
@@ -26,16 +27,18 @@ stopping."
           (let ((head (parse-request-head octets 0 request-line-end head-end
                                           (serving-name-scratch serving) (serving-request-head serving))))
             (setf (request-head-protocol head) :http/2.0)
-            (unless (process-http2-request serving acceptor head addresses
-                                           (make-octets-input-stream octets :start head-end) reply)
-              (refuse 503)))
+            (case (process-http2-request serving acceptor head addresses
+                                         (make-octets-input-stream octets :start head-end) reply)
+              ((nil) (refuse 503))
+              (:held :held)))
         (request-head-refused (condition)
           (refuse (refused-status condition)))))))
 
 (defun process-http2-request (serving acceptor head addresses content-stream reply)
   "Process the request of HEAD, its body read from CONTENT-STREAM, as
 ANSWER-REQUEST does, its reply written to REPLY.  False, nothing done,
-when the pool is stopping."
+when the pool is stopping; :HELD when its handler deferred the reply; else
+true."
   (let ((taskmaster (engine-taskmaster (serving-engine serving)))
         (worker (serving-worker serving))
         (status nil))
@@ -58,7 +61,7 @@ when the pool is stopping."
                                             #'process-request))
                (setf status (hunchentoot:return-code reply-object)))))
       (note-request-finished taskmaster worker :answered (and status t)))
-    t))
+    (if (serving-deferred serving) :held t)))
 
 (defun answer-http2-frames (serving connection end)
   "The turn of CONNECTION, speaking HTTP/2 from now if it did not yet, END

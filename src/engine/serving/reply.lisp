@@ -304,7 +304,8 @@ acceptor, Hunchentoot's own."
                      (forget-tls-errors))
                    (when (and error (or (serving-deferred *serving*) (serving-event-stream *serving*)))
                      ;; Answered as the failure says, never completed.
-                     (abandon-held-reply (serving-set *serving*) (worker-connection (serving-worker *serving*)))
+                     (abandon-held-reply (serving-set *serving*) (worker-connection (serving-worker *serving*))
+                                         (serving-deferred *serving*))
                      (setf (serving-deferred *serving*) nil
                            (serving-event-stream *serving*) nil))
                    (when error
