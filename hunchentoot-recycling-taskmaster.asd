@@ -102,6 +102,7 @@ bytes, with acceptors that use it by default."
                                                         (:file "closing")
                                                         (:file "http2-reply")
                                                         (:file "http2-turn")
+                                                        (:file "http2-event-stream")
                                                         (:file "engine")
                                                         (:file "parking")
                                                         (:file "accepting")

@@ -33,7 +33,7 @@ fill the default queue of every subscriber at once is a mistake.")
                          collect subscriber)))))
 
 (defun subscriber-open-p (subscriber)
-  (if (event-stream-p subscriber)
+  (if (typep subscriber '(or event-stream http2-event-stream))
       (event-stream-open-p subscriber)
       (ws:client-open-p subscriber)))
 
@@ -47,18 +47,18 @@ fill the default queue of every subscriber at once is a mistake.")
           (remhash channel-name *channels*))))))
 
 (defun subscribe (channel-name subscriber)
-  "Make SUBSCRIBER, an EVENT-STREAM or a WS:WEBSOCKET-CLIENT, receive what
+  "Make SUBSCRIBER, an event stream (of either protocol) or a WS:WEBSOCKET-CLIENT, receive what
 is published to the channel named CHANNEL-NAME (a string), until it ends
 or UNSUBSCRIBE.  Returns SUBSCRIBER."
   (check-type channel-name string)
-  (check-type subscriber (or event-stream ws:websocket-client))
+  (check-type subscriber (or event-stream http2-event-stream ws:websocket-client))
   (bt:with-lock-held (*channels-lock*)
     (setf (gethash subscriber (channel-subscribers (or (gethash channel-name *channels*)
                                                        (setf (gethash channel-name *channels*)
                                                              (make-channel channel-name)))))
           t))
-  (when (event-stream-p subscriber)
-    (add-event-stream-end-hook subscriber (lambda (stream) (unsubscribe channel-name stream))))
+  (unless (typep subscriber 'ws:websocket-client)
+    (on-event-stream-end subscriber (lambda (stream) (unsubscribe channel-name stream))))
   subscriber)
 
 (defun deliver-published (channel-name message event id)
@@ -80,6 +80,10 @@ dropped."
                                                     message :event event :id id)
                                       (return))))
                   (when (offer-event subscriber counted)
+                    (incf count)))
+                 ((http2-event-stream-p subscriber)
+                  ;; A copy of its own: its body's pieces are the stream's.
+                  (when (send-event subscriber message :event event :id id)
                     (incf count)))
                  ((ws:send-text-message subscriber message)
                   (incf count))))

@@ -334,3 +334,36 @@ any client reads.  The number of publishes that reached every stream."
           (multiple-value-bind (status body head) (read-response socket :timeout 3)
             (is (and (eql 201 status) (equal "waited 100 ms" body))
                 "trial ~D, wait ~D: ~S ~S ~S" trial i status body head)))))))
+
+(test event-stream.over-http2-as-over-http/1.1
+  ;; On an HTTP/2 stream, over h2c and h2: the head, the handler's event,
+  ;; those published to its channel, a keep-alive comment, and the end
+  ;; CLOSE-EVENT-STREAM asks for; counted open until then.
+  (dolist (make-server (list #'http2-server #'http2-ssl-server))
+    (with-server (server (funcall make-server :taskmaster (make-instance 'recycling-taskmaster
+                                                                         :standby-thread-count 2 :max-thread-count 4)))
+      (let* ((protocol (if (ht:acceptor-ssl-p server) :h2 :h2c))
+             (channel (format nil "h2-~(~A~)" protocol))
+             (reply (in-thread (lambda ()
+                                 (curl-reply (url server (format nil "/test/events?channel=~A&keep-alive=200" channel))
+                                             protocol "-N" "-m" "10")))))
+        (is (wait-until (lambda () (eql 1 (stats server :open-event-streams)))) "~A: the stream began" protocol)
+        (is (wait-until (lambda () (eql 1 (publish channel "one")))))
+        (is (eql 1 (publish channel (format nil "two~%lines"))))
+        ;; Idle for more than its keep-alive interval.
+        (sleep 0.6)
+        (close-event-stream (newest-stream))
+        (destructuring-bind (status headers body) (funcall reply)
+          (is (eql 200 status) "~A: ~S" protocol status)
+          (is (search "text/event-stream" (cdr (assoc "content-type" headers :test #'string=))))
+          (is (search (format nil "event: hello~%data: first~%~%data: one~%~%data: two~%data: lines~%~%") body)
+              "~A: the events in order: ~S" protocol body)
+          (is (search (format nil ":~%~%") body) "~A: a keep-alive comment: ~S" protocol body))
+        (is (wait-until (lambda () (eql 0 (stats server :open-event-streams)))) "counted closed")
+        (is (eql 0 (publish channel "after the end")) "unsubscribed at its end")))))
+
+(test event-stream.over-http2-client-gone-ends-it
+  (with-server (server (http2-server))
+    (curl-reply (url server "/test/events?channel=h2-gone") :h2c "-N" "-m" "0.5")
+    (is (wait-until (lambda () (eql 0 (stats server :open-event-streams)))) "ended with its client")
+    (is (eql 0 (publish "h2-gone" "nobody")) "and left its channel")))

@@ -207,14 +207,17 @@ its handler; an error escaping it is logged."
           (error (condition)
             (log-safely acceptor :error "Error in the ON-CLIENT-GONE of a deferred reply: ~A" condition)))))))
 
-(defun abandon-held-reply (set connection &optional deferred)
+(defun abandon-held-reply (set connection &optional held)
   "The handler that deferred CONNECTION's reply, or made it an event
 stream, failed afterwards: the reply is answered as the failure says, and
 the record, detached, can no longer be completed or sent to.  With no
-CONNECTION, the handler was an HTTP/2 stream's, which deferred DEFERRED."
-  (cond ((null connection)
-         (when (settle-deferred-reply-outcome deferred :abandoned)
-           (ended-http2-deferred-reply deferred)))
+CONNECTION, the handler was an HTTP/2 stream's, which made HELD, its
+DEFERRED-REPLY or HTTP2-EVENT-STREAM."
+  (cond ((http2-event-stream-p held)
+         (end-http2-event-stream held))
+        ((null connection)
+         (when (settle-deferred-reply-outcome held :abandoned)
+           (ended-http2-deferred-reply held)))
         ((connection-deferred connection)
          (settle-deferred-reply-outcome (connection-deferred connection) :abandoned)
          (detach-deferred-reply set connection))

@@ -73,8 +73,11 @@ small the budget.")
   (queued 0 :type word)
   (flush-pending-p nil)
   ;; Its streams whose reply their handler deferred, waiting for it
-  ;; without a worker (MAKE-HTTP2-DEFERRED-REPLY).
+  ;; without a worker (MAKE-HTTP2-DEFERRED-REPLY), which a soft STOP waits
+  ;; for; and those that are event streams (MAKE-HTTP2-EVENT-STREAM),
+  ;; which it ends.
   (held 0 :type word)
+  (streaming 0 :type word)
   ;; Internal time units: idle with no stream open, then with streams
   ;; open whose requests do not arrive.
   (keep-alive-timeout 0 :type fixnum :read-only t)
@@ -179,16 +182,22 @@ quarter of the way to it."
   (incf (http2-connection-reply-size connection)
         (floor (- octets (http2-connection-reply-size connection)) 4)))
 
+(defun http2-connection-busy-p (connection)
+  "True while CONNECTION's handlers run, or its deferred replies or event
+streams wait: each has its own bound, and its client need not send."
+  (or (plusp (http2-connection-running connection))
+      (plusp (http2-connection-held connection))
+      (plusp (http2-connection-streaming connection))))
+
 (defun http2-deadline (connection)
   "When CONNECTION, about to park, is next looked at without its client:
-the write timeout while frames wait; none while its handlers run or its
-deferred replies wait (each has its own timeout); else
+the write timeout while frames wait; none while it is busy
+(HTTP2-CONNECTION-BUSY-P); else
 the read timeout from its last activity while streams are open, the
 keep-alive timeout when none is."
   (let ((now (get-internal-real-time)))
     (cond ((http2-connection-queue connection) (outbox-write-deadline connection now))
-          ((or (plusp (http2-connection-running connection)) (plusp (http2-connection-held connection)))
-           most-positive-fixnum)
+          ((http2-connection-busy-p connection) most-positive-fixnum)
           ((plusp (http2-session-open-stream-count (http2-connection-session connection)))
            (+ (http2-connection-last-active connection) (http2-connection-read-timeout connection)))
           (t (+ (http2-connection-last-active connection) (http2-connection-keep-alive-timeout connection))))))
@@ -241,8 +250,8 @@ descriptor could not be armed."
 
 (defun http2-deadline-reached (connection)
   "CONNECTION's socket, held by the caller, was parked until a deadline
-that has passed: parked again while its handlers run, its deferred
-replies wait or its client takes what is sent; else :CLOSE after a GOAWAY (which a full socket may not
+that has passed: parked again while it is busy (HTTP2-CONNECTION-BUSY-P)
+or its client takes what is sent; else :CLOSE after a GOAWAY (which a full socket may not
 take): counted as a write timeout when its client took nothing of what
 waits, or let its replies wait on flow control; as idle when it was."
   (let ((holder (http2-connection-connection connection))
@@ -257,8 +266,7 @@ waits, or let its replies wait on flow control; as idle when it was."
              (if (client-took-octets-p holder)
                  (park-http2-connection connection)
                  (close-for :slow-reader)))
-            ((or (plusp (http2-connection-running connection)) (plusp (http2-connection-held connection)))
-             (park-http2-connection connection))
+            ((http2-connection-busy-p connection) (park-http2-connection connection))
             ((plusp (http2-connection-reply-octets connection)) (close-for :slow-reader))
             (t (close-for :idle))))))
 

@@ -240,6 +240,10 @@ reset the stream or took nothing meanwhile (the stream is then reset)."
           (t (setf (http2-reply-whole-body reply) octets)
              t))))
 
+(defun http2-reply-stream-status (stream)
+  "The status of the reply written to STREAM so far (500 when none)."
+  (or (http2-reply-status (reply-stream-reply stream)) 500))
+
 (defun end-http2-reply (stream)
   "End the reply written to STREAM once its handler has returned: its
 HEADERS with the stream's end when it has no body, else the end of its

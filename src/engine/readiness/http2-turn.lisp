@@ -126,9 +126,10 @@ reset it already; else it waits its turn (ADD-WAITING-STREAM)."
 with the worker's SERVING, the stream's HTTP2-REPLY-STREAM, the request's
 octets (an HTTP/1.1 head and its body), where the request line and the
 head end, the acceptor and the connection's addresses; then ends the
-reply and counts it, unless ANSWER returned :HELD (its handler deferred
-it: whoever sends it ends it), and lets the connection's next streams
-begin."
+reply and counts it -- unless ANSWER returned :HELD (its handler deferred
+it: whoever sends it ends and counts it), or only counts it when ANSWER
+returned :OPEN (an event stream, ended later) -- and lets the
+connection's next streams begin."
   (let ((set (http2-connection-set connection)))
     (lambda (serving)
       (atomic-decrement (http2-connection-queued connection))
@@ -140,15 +141,18 @@ begin."
                (multiple-value-bind (octets request-line-end head-end)
                    (http2-stream-request-octets stream body-pieces (or body-length 0))
                  (setf body-pieces '())
-                 (let ((held-p nil))
+                 (let ((outcome nil))
                    (unwind-protect
-                        (setf held-p (eq :held (funcall answer serving reply octets request-line-end head-end
-                                                        (http2-connection-acceptor connection)
-                                                        (http2-connection-addresses connection))))
-                     (unless held-p
+                        (setf outcome (funcall answer serving reply octets request-line-end head-end
+                                               (http2-connection-acceptor connection)
+                                               (http2-connection-addresses connection)))
+                     (unless (eq outcome :held)
                        (count-answered-request (readiness-set-counters set)
                                                (mod (http2-stream-id stream) +request-count-stripes+)
-                                               (end-http2-reply reply) (- (monotonic-microseconds) start)))))))
+                                               (if (eq outcome :open)
+                                                   (http2-reply-stream-status reply)
+                                                   (end-http2-reply reply))
+                                               (- (monotonic-microseconds) start)))))))
           ;; The body, taken with its charge, is the task's until the request ends.
           (release-memory (readiness-set-memory-budget set) (or body-length 0))
           (finish-http2-handler connection stream answer))))))

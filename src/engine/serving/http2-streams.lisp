@@ -19,7 +19,8 @@ line's LF at REQUEST-LINE-END, ending at HEAD-END, then the body -- made on
 ACCEPTOR for a connection with ADDRESSES, writing its reply to REPLY.  A
 head the parser refuses is answered as on HTTP/1.1; 503 when the pool is
 stopping.  :HELD when its handler deferred the reply, which is then sent
-by whoever completes it."
+by whoever completes it; :OPEN when it made it an event stream, its head
+sent."
   (let ((server-name (serving-server-header-value serving)))
     (flet ((refuse (status)
              (write-sequence (head-error-reply status server-name 1) reply)))
@@ -27,18 +28,19 @@ by whoever completes it."
           (let ((head (parse-request-head octets 0 request-line-end head-end
                                           (serving-name-scratch serving) (serving-request-head serving))))
             (setf (request-head-protocol head) :http/2.0)
-            (case (process-http2-request serving acceptor head addresses
-                                         (make-octets-input-stream octets :start head-end) reply)
-              ((nil) (refuse 503))
-              (:held :held)))
+            (let ((outcome (process-http2-request serving acceptor head addresses
+                                                  (make-octets-input-stream octets :start head-end) reply)))
+              (if outcome
+                  (and (member outcome '(:held :open)) outcome)
+                  (refuse 503))))
         (request-head-refused (condition)
           (refuse (refused-status condition)))))))
 
 (defun process-http2-request (serving acceptor head addresses content-stream reply)
   "Process the request of HEAD, its body read from CONTENT-STREAM, as
 ANSWER-REQUEST does, its reply written to REPLY.  False, nothing done,
-when the pool is stopping; :HELD when its handler deferred the reply; else
-true."
+when the pool is stopping; :HELD when its handler deferred the reply,
+:OPEN when it made it an event stream; else true."
   (let ((taskmaster (engine-taskmaster (serving-engine serving)))
         (worker (serving-worker serving))
         (status nil))
@@ -61,7 +63,9 @@ true."
                                             #'process-request))
                (setf status (hunchentoot:return-code reply-object)))))
       (note-request-finished taskmaster worker :answered (and status t)))
-    (if (serving-deferred serving) :held t)))
+    (cond ((serving-deferred serving) :held)
+          ((and (serving-event-stream serving) (eql status hunchentoot:+http-ok+)) :open)
+          (t t))))
 
 (defun answer-http2-frames (serving connection end)
   "The turn of CONNECTION, speaking HTTP/2 from now if it did not yet, END

@@ -305,7 +305,7 @@ acceptor, Hunchentoot's own."
                    (when (and error (or (serving-deferred *serving*) (serving-event-stream *serving*)))
                      ;; Answered as the failure says, never completed.
                      (abandon-held-reply (serving-set *serving*) (worker-connection (serving-worker *serving*))
-                                         (serving-deferred *serving*))
+                                         (or (serving-deferred *serving*) (serving-event-stream *serving*)))
                      (setf (serving-deferred *serving*) nil
                            (serving-event-stream *serving*) nil))
                    (when error
