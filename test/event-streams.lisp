@@ -367,3 +367,22 @@ any client reads.  The number of publishes that reached every stream."
     (curl-reply (url server "/test/events?channel=h2-gone") :h2c "-N" "-m" "0.5")
     (is (wait-until (lambda () (eql 0 (stats server :open-event-streams)))) "ended with its client")
     (is (eql 0 (publish "h2-gone" "nobody")) "and left its channel")))
+
+(test event-stream.over-http2-a-client-that-never-reads-is-reset
+  ;; Ten streams on a connection whose client reads nothing: each event
+  ;; waits charged to the budget, and the one that would pass the stream's
+  ;; queue limit resets it, counted; the server goes on answering.
+  (with-server (server (http2-server))
+    (let ((client (bt:make-thread (lambda () (http2-client "not-reading" (ht:acceptor-port server) 10
+                                                           "/test/events?channel=h2-slow&queue=20000" 8))
+                                  :name "not-reading client"))
+          (message (make-string 1000 :initial-element #\x)))
+      (is (wait-until (lambda () (eql 10 (stats server :open-event-streams)))) "ten streams began")
+      ;; More than the socket buffers take.
+      (loop repeat 5000
+            until (zerop (publish "h2-slow" message)))
+      (is (wait-until (lambda () (eql 10 (stats server :event-streams-not-reading))))
+          "each reset once its queue was full: ~D" (stats server :event-streams-not-reading))
+      (is (wait-until (lambda () (eql 0 (stats server :open-event-streams)))) "and ended")
+      (is (eql 200 (curl-reply (url server "/test/yo") :h2c)))
+      (bt:join-thread client))))
