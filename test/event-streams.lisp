@@ -386,3 +386,20 @@ any client reads.  The number of publishes that reached every stream."
       (is (wait-until (lambda () (eql 0 (stats server :open-event-streams)))) "and ended")
       (is (eql 200 (curl-reply (url server "/test/yo") :h2c)))
       (bt:join-thread client))))
+
+(test event-stream.a-thousand-over-http2-hold-no-worker
+  ;; 100 event streams on each of 10 HTTP/2 connections: every one gets
+  ;; every message published, in order, while the pool keeps its standby
+  ;; workers.
+  (with-server (server (http2-server :taskmaster (make-instance 'recycling-taskmaster :standby-thread-count 4
+                                                                                     :max-thread-count 8)))
+    (let ((client (in-thread (lambda () (http2-client "events" (ht:acceptor-port server) 10 100
+                                                      "/test/events?channel=h2-many" 5 30)))))
+      (is (wait-until (lambda () (eql 1000 (stats server :open-event-streams))) :timeout 30)
+          "1,000 streams open: ~D" (stats server :open-event-streams))
+      (is (<= (stats server :threads) 8) "~D workers" (stats server :threads))
+      (dotimes (i 5)
+        (is (eql 1000 (publish "h2-many" (format nil "m~D" i)))))
+      (let ((line (first (funcall client))))
+        (is (search "\"complete\": 1000" line) "every stream got every message: ~A" line)))
+    (is (wait-until (lambda () (eql 0 (stats server :open-event-streams)))) "all ended with their client")))

@@ -32,6 +32,11 @@ Debian's python3-h2) where a well-behaved client library would refuse to:
   statuses PORT PATH...         one stream for each PATH, sent at once: the
                                 status each got, or "refused" for a
                                 REFUSED_STREAM, and the GOAWAY's code
+  events PORT CONNECTIONS STREAMS PATH COUNT SECONDS
+                                STREAMS event streams of PATH on each of
+                                CONNECTIONS connections, read until each
+                                has the events m0 .. m(COUNT-1) in order, or
+                                for SECONDS: how many streams did
 
 Each prints one line of JSON: what it sent before the server closed the
 connection, and the error code of the GOAWAY it received, if any.  Every
@@ -40,6 +45,7 @@ socket has a timeout: a run stops by itself.
 
 import hashlib
 import json
+import select
 import socket
 import sys
 import threading
@@ -477,6 +483,31 @@ def statuses(port, paths):
             "goaway": client.goaway}
 
 
+def events(port, connections, streams, path, count, seconds):
+    clients = [Client(port) for _ in range(connections)]
+    for client in clients:
+        for _ in range(streams):
+            client.request(path)
+        client.flush()
+    expected = ["data: m%d" % index for index in range(count)]
+
+    def complete(client, stream):
+        lines = client.body(stream).decode("utf-8").split("\n")
+        return [line for line in lines if line.startswith("data: m")] == expected
+
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if all(complete(client, stream) for client in clients for stream in client.bodies):
+            break
+        ready, _, _ = select.select([client.sock for client in clients if not client.closed], [], [], 0.5)
+        for client in clients:
+            if client.sock in ready:
+                client.receive()
+    return {"streams": sum(len(client.bodies) for client in clients),
+            "complete": sum(1 for client in clients for stream in client.bodies if complete(client, stream)),
+            "reset": sum(len(client.reset) for client in clients)}
+
+
 def main(arguments):
     command, port = arguments[0], int(arguments[1])
     if command == "rapid-reset":
@@ -508,6 +539,9 @@ def main(arguments):
         result = priority_flood(port, int(arguments[2]))
     elif command == "statuses":
         result = statuses(port, arguments[2:])
+    elif command == "events":
+        result = events(port, int(arguments[2]), int(arguments[3]), arguments[4], int(arguments[5]),
+                        float(arguments[6]))
     else:
         raise SystemExit("unknown command " + command)
     print(json.dumps(result), flush=True)
