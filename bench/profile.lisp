@@ -5,9 +5,9 @@
 
 (in-package #:hunchentoot-recycling-taskmaster-bench)
 
-(defun run-wrk (port connections seconds keep-alive-p &optional cookie)
-  "Run wrk against /yo on PORT, or against /app/counter with the Cookie
-header COOKIE when given; its output."
+(defun run-wrk (port connections seconds keep-alive-p &optional cookie (scheme "http"))
+  "Run wrk against /yo on PORT over SCHEME, or against /app/counter with the
+Cookie header COOKIE when given; its output."
   (if cookie
       (let ((script (application-wrk-script (uiop:default-temporary-directory) :cookie cookie)))
         (unwind-protect
@@ -16,10 +16,10 @@ header COOKIE when given; its output."
                                      (format nil "http://127.0.0.1:~D/app/counter" port))
                                :output :string :error-output :output :ignore-error-status t)
           (delete-file script)))
-      (wrk port (list :delay-ms 0 :close (not keep-alive-p) :connections connections) seconds)))
+      (wrk port (list :delay-ms 0 :close (not keep-alive-p) :connections connections) seconds :scheme scheme)))
 
 (defun run-profile (&key (connections 100) (seconds 10) (keep-alive-p t) (mode :cpu) (max-samples 40000)
-                         session-count)
+                         session-count tls)
   "Serve /yo with a PARALLEL-EASY-ACCEPTOR in this process, load it with wrk
 for SECONDS over CONNECTIONS connections (kept alive, or one request each),
 and print wrk's summary, bytes consed per request and sb-sprof's flat
@@ -27,30 +27,40 @@ report of every thread, sampling in sb-sprof's MODE: :CPU for where the
 time goes, :ALLOC for where the bytes are consed.  With SESSION-COUNT, the
 load is the application cells' returning user's session counter instead
 (GET /app/counter with its cookie, kept alive), among SESSION-COUNT
-sessions.  True when wrk answered."
-  (let ((port (free-port)))
-    (start-server :parallel port)
+sessions.  With TLS, over HTTPS (a PARALLEL-EASY-SSL-ACCEPTOR, the bench's
+certificate).  True when wrk answered."
+  (let ((port (free-port))
+        (scheme (if tls "https" "http"))
+        (certificates (and tls (make-bench-certificate))))
+    (if tls
+        (start-hunchentoot port 'hrt:parallel-easy-ssl-acceptor
+                           :ssl-certificate-file (merge-pathnames "cert.pem" certificates)
+                           :ssl-privatekey-file (merge-pathnames "key.pem" certificates))
+        (start-server :parallel port))
     (unwind-protect
          (let ((cookie (and session-count (returning-user-cookie port))))
            (when session-count
              (fill-sessions port session-count))
            ;; Warm up: the first requests make the pool's threads.
-           (run-wrk port connections 2 keep-alive-p cookie)
+           (run-wrk port connections 2 keep-alive-p cookie scheme)
            (let ((served-before (getf (hrt:taskmaster-statistics *acceptor*) :requests-served))
                  (consed-before (sb-ext:get-bytes-consed))
                  (wrk-output nil))
              (sb-sprof:with-profiling (:max-samples max-samples :mode mode :threads :all :report nil)
-               (setf wrk-output (run-wrk port connections seconds keep-alive-p cookie)))
+               (setf wrk-output (run-wrk port connections seconds keep-alive-p cookie scheme)))
              (let ((requests (- (getf (hrt:taskmaster-statistics *acceptor*) :requests-served) served-before)))
                (format t "~&Cell: ~:[0 ms handler~;~:*the session counter of a returning user among ~D sessions~], ~
-                          ~:[one request per connection~;keep-alive~], ~D connections, ~D s, ~(~A~) samples~%~
+                          ~:[one request per connection~;keep-alive~], ~A, ~D connections, ~D s, ~(~A~) samples~%~
                           SBCL ~A, ~A~%~%~A~%Bytes consed per request (whole process): ~:[-~;~:*~D~]~%~%"
-                       session-count keep-alive-p connections seconds mode (lisp-implementation-version) (machine-type)
+                       session-count keep-alive-p (if tls "HTTPS" "HTTP") connections seconds mode
+                       (lisp-implementation-version) (machine-type)
                        wrk-output
                        (and (plusp requests) (round (- (sb-ext:get-bytes-consed) consed-before) requests)))
                (sb-sprof:report :type :flat :max 40 :stream *standard-output*)
                (plusp requests))))
-      (ht:stop *acceptor*))))
+      (ht:stop *acceptor*)
+      (when certificates
+        (uiop:delete-directory-tree certificates :validate t :if-does-not-exist :ignore)))))
 
 ;;; What a kept-alive request costs ours, for the matrix's summary: system
 ;;; calls and bytes consed per request served, while the connections are
