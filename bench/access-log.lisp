@@ -24,10 +24,10 @@ and h2c.")
   '(("ours, log to a file" "ours" 0.9))
   "A cell's requests/s as a fraction of another's in the same load: at least this.")
 
-(defun nginx-access-log-config (directory port log-file)
-  "nginx.conf for 2 workers answering /yo on PORT over HTTP/1.1 and h2c
-(prior knowledge: nginx 1.22 listens for one of them on a port, h2c here, and
-HTTP/1.1 on PORT + 1), with its access log to LOG-FILE when given."
+(defun nginx-access-log-config (directory port h1-port log-file)
+  "nginx.conf for 2 workers answering /yo over h2c (prior knowledge) on PORT
+and HTTP/1.1 on H1-PORT (nginx 1.22 speaks one of them on a plain port),
+with its access log to LOG-FILE when given."
   (format nil "~A  server {
     listen 127.0.0.1:~D http2;
     listen 127.0.0.1:~D;
@@ -35,23 +35,22 @@ HTTP/1.1 on PORT + 1), with its access log to LOG-FILE when given."
     location /yo { default_type text/plain; return 200 \"Hey!\"; }
   }
 }
-" (nginx-config-opening directory) port (1+ port) log-file))
+" (nginx-config-opening directory) port h1-port log-file))
 
-(defun launch-access-log-server (cell port core log-file output-file)
+(defun launch-access-log-server (cell port h1-port core log-file output-file)
   (if (getf cell :nginx-log)
-      (launch-nginx-with (lambda (directory) (nginx-access-log-config directory port log-file)) output-file)
+      (launch-nginx-with (lambda (directory) (nginx-access-log-config directory port h1-port log-file)) output-file)
       (launch-server (if log-file
                          (list* :serve-options (list* :access-log log-file (getf cell :serve-options)) cell)
                          cell)
                      port 0 core output-file)))
 
-(defun access-log-load (cell port protocol seconds)
-  "Load CELL's server on PORT for SECONDS over PROTOCOL (:HTTP/1.1 or :H2C):
-a plist of :REQUESTS-PER-SECOND and :ANSWERED, or :FAILED."
+(defun access-log-load (port h1-port protocol seconds)
+  "Load a server for SECONDS over PROTOCOL (:HTTP/1.1 on H1-PORT, or :H2C
+on PORT): a plist of :REQUESTS-PER-SECOND and :ANSWERED, or :FAILED."
   (ecase protocol
     (:http/1.1
-     (let ((figures (parse-wrk (wrk (if (getf cell :nginx-log) (1+ port) port)
-                                    (list :delay-ms 0 :connections 100) seconds))))
+     (let ((figures (parse-wrk (wrk h1-port (list :delay-ms 0 :connections 100) seconds))))
        (list :requests-per-second (getf figures :requests-per-second)
              :answered (getf figures :requests)
              :failed (let ((errors (+ (getf figures :read-errors) (getf figures :non-2xx 0))))
@@ -77,19 +76,20 @@ a plist of :REQUESTS-PER-SECOND and :ANSWERED, or :FAILED."
 load's figures, with the lines its log gained (the server stopped, so that
 every line kept is written)."
   (let* ((port (free-port))
+         (h1-port (if (getf cell :nginx-log) (free-port) port))
          (log-file (and (getf cell :log)
                         (format nil "~Aaccess-~D-~:[h1~;h2c~]-round~D.log" work (position cell *access-log-cells*)
                                 (eq protocol :h2c) round)))
-         (process (launch-access-log-server cell port core log-file
+         (process (launch-access-log-server cell port h1-port core log-file
                                             (format nil "~Aserver-~D-round~D.out" work
                                                     (position cell *access-log-cells*) round))))
     (unwind-protect
-         (if (wait-until-http2-serving port nil)
-             (let ((warm-lines (progn (access-log-load cell port protocol 1)
+         (if (and (wait-until-http2-serving port nil) (wait-until-serving h1-port))
+             (let ((warm-lines (progn (access-log-load port h1-port protocol 1)
                                       ;; Ours writes what it keeps within 0.1 s.
                                       (sleep 0.5)
                                       (and log-file (file-line-count log-file))))
-                   (figures (access-log-load cell port protocol seconds)))
+                   (figures (access-log-load port h1-port protocol seconds)))
                (stop-server (shiftf process nil))
                (append figures (and log-file (list :lines (- (file-line-count log-file) warm-lines)))))
              (list :failed "server did not answer within 30 s"))

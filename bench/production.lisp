@@ -26,9 +26,9 @@ for, and ours as a fraction of nginx it is to reach (issue 93).")
     (:name "nginx" :nginx-production t))
   "Ours as the demo is configured, and nginx; each logs to a file the run names.")
 
-(defun nginx-production-config (directory port tls-port certificate key log-file)
+(defun nginx-production-config (directory port h1-port tls-port certificate key log-file)
   "nginx.conf for 2 workers as a deployed one: h2c on PORT, HTTP/1.1 on
-PORT + 1 (nginx 1.22 speaks one of them on a plain port), HTTP/1.1 and h2
+H1-PORT (nginx 1.22 speaks one of them on a plain port), HTTP/1.1 and h2
 over TLS on TLS-PORT with CERTIFICATE and KEY, its access log to LOG-FILE,
 gzip at level 1; /yo and /lorem, the 10 KiB page in DIRECTORY."
   (format nil "~A  access_log ~A;
@@ -44,26 +44,26 @@ gzip at level 1; /yo and /lorem, the 10 KiB page in DIRECTORY."
     location = /lorem { default_type text/html; alias ~Alorem.html; }
   }
 }
-" (nginx-config-opening directory) log-file port (1+ port) tls-port (namestring certificate) (namestring key)
+" (nginx-config-opening directory) log-file port h1-port tls-port (namestring certificate) (namestring key)
           directory))
 
-(defun launch-production-server (server port tls-port certificate key core log-file output-file)
+(defun launch-production-server (server port h1-port tls-port certificate key core log-file output-file)
   (if (getf server :nginx-production)
       (launch-nginx-with (lambda (directory)
                            (with-open-file (out (concatenate 'string directory "lorem.html") :direction :output)
                              (write-string *lorem-page* out))
-                           (nginx-production-config directory port tls-port certificate key log-file))
+                           (nginx-production-config directory port h1-port tls-port certificate key log-file))
                          output-file)
       (launch-server (list* :serve-options (list* :access-log log-file (getf server :serve-options)) server)
                      port 0 core output-file :ssl-port tls-port :ssl-certificate certificate :ssl-key key)))
 
-(defun production-load (server load port tls-port seconds)
-  "LOAD against SERVER for SECONDS (h2load: as many requests as 60,000 a
-second would make): a plist of :REQUESTS-PER-SECOND and :FAILED."
+(defun production-load (load port h1-port tls-port seconds)
+  "LOAD for SECONDS against a server speaking h2c on PORT, HTTP/1.1 on
+H1-PORT and TLS on TLS-PORT (h2load: as many requests as 60,000 a second
+would make): a plist of :REQUESTS-PER-SECOND and :FAILED."
   (let* ((tls (getf load :tls))
          (target-port (cond (tls tls-port)
-                            ;; nginx's HTTP/1.1 on its plain ports is on PORT + 1.
-                            ((and (getf server :nginx-production) (eq (getf load :client) :wrk)) (1+ port))
+                            ((eq (getf load :client) :wrk) h1-port)
                             (t port)))
          (url (format nil "~:[http~;https~]://127.0.0.1:~D~A" tls target-port (getf load :path))))
     (ecase (getf load :client)
@@ -85,24 +85,25 @@ second would make): a plist of :REQUESTS-PER-SECOND and :FAILED."
                              (and (plusp failed) failed))
                            (getf figures :failed))))))))
 
-(defun gzipped-p (server port)
-  "True when SERVER on PORT sends /lorem gzipped to a client offering gzip."
-  (equal "gzip" (coded-reply-octets (if (getf server :nginx-production) (1+ port) port) "gzip")))
+(defun gzipped-p (h1-port)
+  "True when the server on H1-PORT sends /lorem gzipped to a client offering gzip."
+  (equal "gzip" (coded-reply-octets h1-port "gzip")))
 
 (defun measure-production-server (server seconds certificate key core work round)
   "Start SERVER as deployed, run every load of *PRODUCTION-LOADS* against it
 (a second's warm-up each, then SECONDS), stop it: a list of (load . figures)."
   (let* ((port (free-port))
+         (h1-port (if (getf server :nginx-production) (free-port) port))
          (tls-port (free-port))
          (log-file (format nil "~Aaccess-~A-round~D.log" work (getf server :name) round))
-         (process (launch-production-server server port tls-port certificate key core log-file
+         (process (launch-production-server server port h1-port tls-port certificate key core log-file
                                             (format nil "~A~A-round~D.out" work (getf server :name) round))))
     (unwind-protect
-         (if (and (wait-until-http2-serving port nil) (wait-until-serving tls-port :scheme "https")
-                  (gzipped-p server port))
+         (if (and (wait-until-http2-serving port nil) (wait-until-serving h1-port)
+                  (wait-until-serving tls-port :scheme "https") (gzipped-p h1-port))
              (loop for load in *production-loads*
-                   collect (progn (production-load server load port tls-port 1)
-                                  (cons load (production-load server load port tls-port seconds))))
+                   collect (progn (production-load load port h1-port tls-port 1)
+                                  (cons load (production-load load port h1-port tls-port seconds))))
              (loop for load in *production-loads*
                    collect (cons load (list :failed "server did not answer, or not gzipped, within 30 s"))))
       (stop-server process))))
