@@ -21,7 +21,7 @@
     (:growth-declined :counter "growth_declined_total"
      "Times the pool was asked to grow while the processors had no idle time, or the garbage collector took a tenth of it, and did not.")
     (:heap-collections :counter "heap_collections_total"
-     "Collections of every generation the heap guard made, the heap holding more than two fifths of its size and twice what was live (the whole process's).")
+     "Collections of every generation the heap guard made, the heap holding over two fifths of its size and half again what was live (the whole process's).")
     (:parked-connections :gauge "parked_connections"
      "Connections waiting without a thread, for bytes or for room to write.")
     (:open-connections :gauge "open_connections" "Connections parked or being served.")

@@ -580,7 +580,7 @@ THREAD-COUNT workers."
       (is (hunchentoot-recycling-taskmaster::join-waiting taskmaster worker) "one short of it")
       (is (= (* factor 3) (hunchentoot-recycling-taskmaster::pool-gauges-waiting gauges))))))
 
-(test heap-guard.collects-a-heap-twice-its-live-size-past-two-fifths-of-its-size
+(test heap-guard.collects-a-heap-half-again-its-live-size-past-two-fifths-of-its-size
   (let ((guard (hunchentoot-recycling-taskmaster::make-heap-guard))
         (size (hunchentoot-recycling-taskmaster::heap-octets))
         (now (get-internal-real-time)))
@@ -590,9 +590,9 @@ THREAD-COUNT workers."
               "under two fifths of the heap")
     (setf (hunchentoot-recycling-taskmaster::heap-guard-live-octets guard) (floor (* 4/10 size))
           (hunchentoot-recycling-taskmaster::heap-guard-collected-at guard) (- now (* 2 internal-time-units-per-second)))
-    (is-false (hunchentoot-recycling-taskmaster::heap-collection-due-p guard (* 6/10 size) now)
-              "not twice what was live: the application's own heap is not collected again and again")
-    (is-true (hunchentoot-recycling-taskmaster::heap-collection-due-p guard (* 9/10 size) now))
+    (is-false (hunchentoot-recycling-taskmaster::heap-collection-due-p guard (* 55/100 size) now)
+              "not half again what was live: the application's own heap is not collected again and again")
+    (is-true (hunchentoot-recycling-taskmaster::heap-collection-due-p guard (* 65/100 size) now))
     (setf (hunchentoot-recycling-taskmaster::heap-guard-collected-at guard) now)
     (is-false (hunchentoot-recycling-taskmaster::heap-collection-due-p guard (* 9/10 size) now)
               "at most once a second")))
