@@ -108,16 +108,17 @@ every line kept is written)."
                    (format combined, no buffer) to a file or off; ours with Hunchentoot's format.  Lines: the ~
                    file's lines after the server stopped, against the requests the client counted answered ~
                    (it counts none it was still waiting for when the load ended).~%~%~
-                   | protocol | server | requests/s | of itself without a log | lines / answered | failed |~%~
-                   |---|---|---:|---:|---:|---:|~%" rounds seconds (* seconds 60000))
+                   | protocol | server | requests/s | rounds | of itself without a log | lines / answered | failed |~%~
+                   |---|---|---:|---|---:|---:|---:|~%" rounds seconds (* seconds 60000))
       (dolist (protocol '(:http/1.1 :h2c))
         (dolist (cell *access-log-cells*)
           (let* ((figures (median-of cell protocol))
                  (rate (getf figures :requests-per-second))
                  (bare (getf (median-of (cell-named (if (getf cell :nginx-log) "nginx" "ours")) protocol)
                              :requests-per-second)))
-            (format out "| ~A | ~A | ~:[-~;~:*~D~] | ~A | ~:[-~;~:*~A~] | ~:[0~;~:*~A~] |~%"
+            (format out "| ~A | ~A | ~:[-~;~:*~D~] | ~{~D~^, ~} | ~A | ~:[-~;~:*~A~] | ~:[0~;~:*~A~] |~%"
                     (if (eq protocol :h2c) "h2c" "HTTP/1.1") (getf cell :name) (and rate (round rate))
+                    (mapcar #'round (getf figures :rounds))
                     (if (and rate bare (plusp bare) (getf cell :log)) (ratio-text (/ rate bare)) "-")
                     (and (getf cell :log) (getf figures :lines)
                          (format nil "~:D / ~:D" (getf figures :lines) (getf figures :answered)))
