@@ -32,31 +32,19 @@ control character as \\u00HH, the rest as UTF-8."
   (let ((octets (room-for (* 6 (length string)) head))
         (position (reply-head-end head)))
     (declare (type fixnum position))
-    (flet ((emit (octet)
-             (setf (aref octets position) octet)
-             (incf position)))
-      (declare (inline emit))
-      (loop for char across string
-            for code of-type (integer 0 #x10FFFF) = (character-utf-8-code char)
-            do (cond ((log-control-char-p code)
-                      ;; Six octets for one character: room was made for six.
-                      (emit 92) (emit 117) (emit 48) (emit 48)
-                      (emit (char-code (char "0123456789abcdef" (ash code -4))))
-                      (emit (char-code (char "0123456789abcdef" (logand code 15)))))
-                     ((or (= code 34) (= code 92)) (emit 92) (emit code))
-                     ((< code #x80) (emit code))
-                     ((< code #x800)
-                      (emit (logior #xC0 (ash code -6)))
-                      (emit (logior #x80 (ldb (byte 6 0) code))))
-                     ((< code #x10000)
-                      (emit (logior #xE0 (ash code -12)))
-                      (emit (logior #x80 (ldb (byte 6 6) code)))
-                      (emit (logior #x80 (ldb (byte 6 0) code))))
-                     (t
-                      (emit (logior #xF0 (ash code -18)))
-                      (emit (logior #x80 (ldb (byte 6 12) code)))
-                      (emit (logior #x80 (ldb (byte 6 6) code)))
-                      (emit (logior #x80 (ldb (byte 6 0) code)))))))
+    (loop for char across string
+          for code of-type (integer 0 #x10FFFF) = (character-utf-8-code char)
+          do (cond ((log-control-char-p code)
+                    ;; Six octets for one character: room was made for six.
+                    (replace octets #.(map 'octets #'char-code "\\u00") :start1 position)
+                    (setf (aref octets (+ position 4)) (char-code (char "0123456789abcdef" (ash code -4)))
+                          (aref octets (+ position 5)) (char-code (char "0123456789abcdef" (logand code 15)))
+                          position (+ position 6)))
+                   ((or (= code 34) (= code 92))
+                    (setf (aref octets position) 92
+                          (aref octets (+ position 1)) code
+                          position (+ position 2)))
+                   (t (setf position (put-utf-8 code octets position)))))
     (setf (reply-head-end head) position))
   (push-octet 34 head))
 

@@ -32,36 +32,46 @@ is (DATE-HEADER-VALUE)."
 (defun log-control-char-p (code)
   (or (< code 32) (= code 127)))
 
+(declaim (inline put-utf-8))
+(defun put-utf-8 (code octets position)
+  "Put the UTF-8 octets of the code point CODE into OCTETS at POSITION,
+which has room for them; the position after them."
+  (declare (type (integer 0 #x10FFFF) code) (type octets octets) (type fixnum position))
+  (flet ((put (octet)
+           (setf (aref octets position) octet)
+           (incf position)))
+    (declare (inline put))
+    (cond ((< code #x80) (put code))
+          ((< code #x800)
+           (put (logior #xC0 (ash code -6)))
+           (put (logior #x80 (ldb (byte 6 0) code))))
+          ((< code #x10000)
+           (put (logior #xE0 (ash code -12)))
+           (put (logior #x80 (ldb (byte 6 6) code)))
+           (put (logior #x80 (ldb (byte 6 0) code))))
+          (t
+           (put (logior #xF0 (ash code -18)))
+           (put (logior #x80 (ldb (byte 6 12) code)))
+           (put (logior #x80 (ldb (byte 6 6) code)))
+           (put (logior #x80 (ldb (byte 6 0) code)))))
+    position))
+
 (defun push-log-text (string head)
   "Push STRING's UTF-8 octets, each control character as \\xHH."
   (declare (type simple-string string) (type reply-head head) (optimize speed))
   (let ((octets (room-for (* 4 (length string)) head))
         (position (reply-head-end head)))
     (declare (type fixnum position))
-    (flet ((emit (octet)
-             (setf (aref octets position) octet)
-             (incf position)))
-      (declare (inline emit))
-      (loop for char across string
-            for code of-type (integer 0 #x10FFFF) = (character-utf-8-code char)
-            do (cond ((log-control-char-p code)
-                      ;; Four octets for one character: room was made for four.
-                      (emit 92) (emit 120)
-                      (emit (char-code (char "0123456789ABCDEF" (ash code -4))))
-                      (emit (char-code (char "0123456789ABCDEF" (logand code 15)))))
-                     ((< code #x80) (emit code))
-                     ((< code #x800)
-                      (emit (logior #xC0 (ash code -6)))
-                      (emit (logior #x80 (ldb (byte 6 0) code))))
-                     ((< code #x10000)
-                      (emit (logior #xE0 (ash code -12)))
-                      (emit (logior #x80 (ldb (byte 6 6) code)))
-                      (emit (logior #x80 (ldb (byte 6 0) code))))
-                     (t
-                      (emit (logior #xF0 (ash code -18)))
-                      (emit (logior #x80 (ldb (byte 6 12) code)))
-                      (emit (logior #x80 (ldb (byte 6 6) code)))
-                      (emit (logior #x80 (ldb (byte 6 0) code)))))))
+    (loop for char across string
+          for code of-type (integer 0 #x10FFFF) = (character-utf-8-code char)
+          do (if (log-control-char-p code)
+                 ;; Four octets for one character: room was made for four.
+                 (setf (aref octets position) 92
+                       (aref octets (+ position 1)) 120
+                       (aref octets (+ position 2)) (char-code (char "0123456789ABCDEF" (ash code -4)))
+                       (aref octets (+ position 3)) (char-code (char "0123456789ABCDEF" (logand code 15)))
+                       position (+ position 4))
+                 (setf position (put-utf-8 code octets position))))
     (setf (reply-head-end head) position)))
 
 (defun push-log-ascii (string head)
