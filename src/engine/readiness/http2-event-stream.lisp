@@ -8,8 +8,9 @@
 ;;;; taken waits up to MAX-QUEUE-BYTES; an event past it resets the stream,
 ;;;; counted as a stream not read.  CLOSE-EVENT-STREAM ends the body (the
 ;;;; stream's end, at which EventSource reconnects); the stream's close,
-;;;; however it comes, ends the event stream: counted closed, its end hooks
-;;;; called in a worker.
+;;;; however it comes, ends the event stream: counted closed at once (a
+;;;; channel then drops it at its next publish, should the hooks never
+;;;; run, as at STOP), its end hooks called in a worker.
 ;;;;
 ;;;; STATE is :OPEN until the end, :CLOSED after; the end is taken once by
 ;;;; compare-and-swap.  The session's lock orders the events of all the
@@ -57,9 +58,9 @@ and its connection's streaming replies until it ends; returns it."
     (atomic-increment (http2-connection-streaming connection))
     (schedule-http2-keep-alive stream)
     (unless (watch-http2-stream-close (http2-connection-session connection) (http2-event-stream-stream stream)
-                                      (lambda () (call-soon set (lambda () (end-http2-event-stream stream)))))
+                                      (lambda () (end-http2-event-stream stream)))
       ;; Reset by the client already.
-      (call-soon set (lambda () (end-http2-event-stream stream))))
+      (end-http2-event-stream stream))
     stream))
 
 (defun schedule-http2-keep-alive (stream)
@@ -122,20 +123,24 @@ as not read) or the memory budget (reset too)."
     (flush-http2-connection connection)))
 
 (defun end-http2-event-stream (stream)
-  "STREAM's HTTP/2 stream has closed, or its handler failed: counted closed,
-its timer cancelled, its end hooks called (an error of theirs logged).  In
-a worker; once."
+  "STREAM's HTTP/2 stream has closed (this may be called with its session's
+lock held), or its handler failed: counted closed, its timer cancelled; its
+end hooks called in a worker soon (an error of theirs logged).  Once."
   (when (compare-and-swap (http2-event-stream-state stream) :open :closed)
-    (cancel-timer (http2-event-stream-timer stream))
-    (atomic-decrement (readiness-set-event-stream-count (http2-event-stream-set stream)))
-    (atomic-decrement (http2-connection-streaming (http2-event-stream-connection stream)))
-    (dolist (hook (loop for hooks = (http2-event-stream-end-hooks stream)
-                        until (compare-and-swap (http2-event-stream-end-hooks stream) hooks :ended)
-                        finally (return (if (listp hooks) hooks '()))))
-      (handler-case (funcall hook stream)
-        (error (condition)
-          (log-safely (http2-event-stream-acceptor stream) :error "Error at the end of an event stream: ~A"
-                      condition))))))
+    (let ((set (http2-event-stream-set stream)))
+      (cancel-timer (http2-event-stream-timer stream))
+      (atomic-decrement (readiness-set-event-stream-count set))
+      (atomic-decrement (http2-connection-streaming (http2-event-stream-connection stream)))
+      (call-soon set (lambda () (call-http2-event-stream-end-hooks stream))))))
+
+(defun call-http2-event-stream-end-hooks (stream)
+  (dolist (hook (loop for hooks = (http2-event-stream-end-hooks stream)
+                      until (compare-and-swap (http2-event-stream-end-hooks stream) hooks :ended)
+                      finally (return (if (listp hooks) hooks '()))))
+    (handler-case (funcall hook stream)
+      (error (condition)
+        (log-safely (http2-event-stream-acceptor stream) :error "Error at the end of an event stream: ~A"
+                    condition)))))
 
 (defun add-http2-event-stream-end-hook (stream hook)
   "Call HOOK with STREAM once it has ended, or now if it has.  From any thread."
