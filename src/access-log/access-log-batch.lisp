@@ -138,17 +138,21 @@ entries lost for the first written after failures, else NIL."
 
 (defun flush-access-log (log &optional entry-octets (entry-end 0))
   "Write the entries LOG keeps, then, if given, the entry of ENTRY-OCTETS
-below ENTRY-END, one too large for the buffer.  Returns as NOTE-LOG-WRITE
-for the last write."
+below ENTRY-END, one too large for the buffer.  Returns as NOTE-LOG-WRITE:
+the entry's report, else the buffer's."
   (bt:with-lock-held ((access-log-write-lock log))
     (multiple-value-bind (octets end entries) (take-kept-entries log)
       (multiple-value-bind (report detail)
           (if (plusp end)
               (note-log-write log entries (write-log-octets log octets end))
               (values nil nil))
-        (if entry-octets
-            (note-log-write log 1 (write-log-octets log entry-octets entry-end))
-            (values report detail))))))
+        (multiple-value-bind (entry-report entry-detail)
+            (and entry-octets (note-log-write log 1 (write-log-octets log entry-octets entry-end)))
+          ;; Both writes failing report the first failure, once.
+          (if entry-report (values entry-report entry-detail) (values report detail)))))))
+
+(defun every-access-log ()
+  (bt:with-lock-held (*access-logs-lock*) (copy-list *access-logs*)))
 
 (defun overdue-access-logs ()
   "The access logs keeping an entry for twice +ACCESS-LOG-FLUSH-MILLISECONDS+
@@ -158,10 +162,7 @@ or longer: their timer was lost with the readiness set that had it."
     (remove-if-not (lambda (log)
                      (and (plusp (access-log-kept-entries log))
                           (< (access-log-first-kept-time log) limit)))
-                   (bt:with-lock-held (*access-logs-lock*) (copy-list *access-logs*)))))
-
-(defun every-access-log ()
-  (bt:with-lock-held (*access-logs-lock*) (copy-list *access-logs*)))
+                   (every-access-log))))
 
 (defun write-kept-entries-at-exit ()
   "Write what every access log keeps: a process may exit without STOP."
